@@ -1,0 +1,108 @@
+"""Snapshots that resume a run exactly and survive being killed half-way through a save.
+
+A snapshot holds everything the next epoch depends on: model and optimizer state (and scheduler and
+gradient scaler where a script uses them), the number of epochs completed, and the RNG states of
+python, numpy and torch (CPU and CUDA). It is written to a temporary file, flushed to disk and renamed
+over the old one, so a crash leaves either the old or the new snapshot, never half of one.
+"""
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+
+from ddp_common.cli import UsageError, one_line
+
+FORMAT = "ddp-examples-snapshot-v1"
+
+
+def rng_states():
+    numpy_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        # weights_only loading accepts tensors but not numpy arrays, so the MT19937 keys travel as a tensor.
+        "numpy": (numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    name, keys, *rest = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def unwrap(model):
+    """The model inside DDP or DataParallel, so snapshot keys carry no `module.` prefix."""
+    return getattr(model, "module", model)
+
+
+def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, keep_last=1):
+    """Write a snapshot atomically. With keep_last=K > 1, the K-1 previous ones stay as path.1, path.2, ..."""
+    state = {
+        "format": FORMAT,
+        "epochs_run": epochs_run,
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": rng_states(),
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    # Unique per writer: on a shared filesystem, one rank per node may save the same path at once.
+    tmp_path = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+    try:
+        with open(tmp_path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        for older in range(keep_last - 1, 0, -1):
+            source = path if older == 1 else f"{path}.{older - 1}"
+            if os.path.exists(source):
+                os.replace(source, f"{path}.{older}")
+        os.replace(tmp_path, path)
+    finally:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def load(path, model, optimizer, device, scheduler=None, scaler=None):
+    """Restore a snapshot into model and optimizer and return the epochs it completed; 0 if there is none.
+
+    An unreadable snapshot, or one of another model, stops the run with a one-line error and is left alone:
+    training on would overwrite it.
+    """
+    if not os.path.exists(path):
+        return 0
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as error:
+        raise UsageError(f"snapshot {path} cannot be read ({type(error).__name__}: {one_line(error)}); "
+                         "move it away to start afresh, or pass another --snapshot_path") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UsageError(f"{path} is not a snapshot written by these scripts; "
+                         "move it away to start afresh, or pass another --snapshot_path")
+    try:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state["scaler"] is not None:
+            scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise UsageError(f"snapshot {path} does not fit this model or optimizer ({one_line(error)}); "
+                         "it belongs to another model or flags: move it away or pass another --snapshot_path"
+                         ) from None
+    set_rng_states(state["rng"])
+    return state["epochs_run"]

@@ -1,0 +1,124 @@
+"""Step 2 of the DDP tutorial: one process per GPU, started by the script itself with mp.spawn.
+
+    python multigpu.py --total_epochs 50 --save_every 10 --batch_size 32                  # every GPU
+    python multigpu.py --total_epochs 50 --save_every 10 --world_size 2 --backend gloo     # 2 CPU processes
+
+With GPUs, one process per GPU on NCCL; without, --world_size CPU processes on gloo. Each process
+trains on its own shard of the data (DistributedSampler) and DDP averages the gradients, so every
+process holds the same model. Compare with step 1: `diff -u singlegpu.py multigpu.py`.
+"""
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_common import cli, snapshot
+from ddp_common.data import regression_dataset
+from ddp_common.distributed import add_backend_arg, check_backend, device_for, free_port, summary_line
+from ddp_common.models import MLP
+
+
+def ddp_setup(rank, world_size, backend, port, timeout):
+    device = device_for(backend, rank, world_size)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout))
+    return device
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device, rank):
+        self.rank = rank
+        self.device = device
+        self.model = model.to(device)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.snapshot_path = snapshot_path
+        self.epochs_run = snapshot.load(snapshot_path, self.model, self.optimizer, device)
+        if self.epochs_run and self.rank == 0:
+            print(f"Resuming from {snapshot_path} at epoch {self.epochs_run}")
+        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(self.model(source), targets)
+        loss.backward()  # DDP all-reduces the gradients here, overlapped with the backward pass
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loss_sum = torch.zeros((), device=self.device)
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss_sum += self._run_batch(source, targets)
+        dist.all_reduce(loss_sum)  # SUM: gloo has no AVG
+        mean_loss = loss_sum.item() / (len(self.train_data) * dist.get_world_size())
+        if self.rank == 0:
+            print(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
+                  f"Loss {mean_loss:.6f}")
+        return mean_loss
+
+    def train(self, max_epochs):
+        start, loss = time.perf_counter(), float("nan")
+        for epoch in range(self.epochs_run, max_epochs):
+            loss = self._run_epoch(epoch)
+            epochs_done = epoch + 1
+            # Every rank holds the same weights: one copy on disk is enough.
+            if self.rank == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
+                snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
+                print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        epochs = max_epochs - self.epochs_run
+        steps = epochs * len(self.train_data)
+        samples = epochs * len(self.train_data.dataset)
+        if self.rank == 0:
+            print(summary_line(epochs, steps, loss, samples, wall, dist.get_world_size(), dist.get_backend()))
+
+
+def load_train_objs(seed):
+    torch.manual_seed(seed)
+    train_set = regression_dataset(2048, seed=seed)  # the same data on every rank: same seed
+    model = MLP(input_size=20)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return train_set, model, optimizer
+
+
+def main(rank, world_size, backend, port, args):
+    device = ddp_setup(rank, world_size, backend, port, args.timeout)
+    try:
+        dataset, model, optimizer = load_train_objs(args.seed)
+        train_data = DataLoader(dataset, batch_size=args.batch_size,
+                                sampler=DistributedSampler(dataset, seed=args.seed))
+        trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, device, rank)
+        trainer.train(args.total_epochs)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(args):
+    world_size = args.world_size or torch.cuda.device_count() or 2
+    backend = check_backend(args.backend, ranks_per_node=world_size)
+    port = free_port()  # a fixed port collides with any other job on the machine
+    try:
+        mp.spawn(cli.run_rank, args=(main, world_size, backend, port, args), nprocs=world_size)
+    except mp.ProcessExitedException as error:
+        cli.exit_for_spawned_failure(error)
+
+
+if __name__ == "__main__":
+    parser = cli.ArgumentParser(description="Step 2: one process per GPU with mp.spawn.")
+    cli.add_training_args(parser)
+    parser.add_argument("--world_size", type=cli.positive_int,
+                        help="processes to start (default: one per GPU, or 2 without GPUs)")
+    add_backend_arg(parser)
+    cli.add_timeout_arg(parser)
+    cli.run(spawn, cli.training_args(parser))

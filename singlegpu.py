@@ -1,0 +1,88 @@
+"""Step 1 of the DDP tutorial: train on one device, with snapshots to resume from.
+
+    python singlegpu.py --total_epochs 50 --save_every 10 --batch_size 32
+    python singlegpu.py 50 10 --batch_size 32        # the upstream tutorial's positional form
+
+Trains on the GPU if there is one, else on the CPU. Start it again after a stop and it resumes
+from the snapshot at the next unfinished epoch. Next step: `diff -u singlegpu.py multigpu.py`.
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from ddp_common import cli, snapshot
+from ddp_common.data import regression_dataset
+from ddp_common.distributed import summary_line
+from ddp_common.models import MLP
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device):
+        self.device = device
+        self.model = model.to(device)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.snapshot_path = snapshot_path
+        self.epochs_run = snapshot.load(snapshot_path, self.model, self.optimizer, device)
+        if self.epochs_run:
+            print(f"Resuming from {snapshot_path} at epoch {self.epochs_run}")
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        # Summed on the device and read once per epoch: a .item() per step would stall every step.
+        loss_sum = torch.zeros((), device=self.device)
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss_sum += self._run_batch(source, targets)
+        mean_loss = loss_sum.item() / len(self.train_data)
+        print(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
+              f"Loss {mean_loss:.6f}")
+        return mean_loss
+
+    def train(self, max_epochs):
+        start, loss = time.perf_counter(), float("nan")
+        for epoch in range(self.epochs_run, max_epochs):
+            loss = self._run_epoch(epoch)
+            epochs_done = epoch + 1
+            if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
+                snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
+                print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        epochs = max_epochs - self.epochs_run
+        steps = epochs * len(self.train_data)
+        samples = epochs * len(self.train_data.dataset)
+        print(summary_line(epochs, steps, loss, samples, wall, world_size=1, backend="none"))
+
+
+def load_train_objs(seed):
+    torch.manual_seed(seed)
+    train_set = regression_dataset(2048, seed=seed)
+    model = MLP(input_size=20)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return train_set, model, optimizer
+
+
+def main(args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dataset, model, optimizer = load_train_objs(args.seed)
+    # Shuffling draws from the global RNG, whose state the snapshot keeps: a resumed run sees the same order.
+    train_data = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+    trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, device)
+    trainer.train(args.total_epochs)
+
+
+if __name__ == "__main__":
+    parser = cli.ArgumentParser(description="Step 1: training on one device.")
+    cli.add_training_args(parser, positional=True)
+    cli.run(main, cli.training_args(parser))

@@ -1,0 +1,217 @@
+"""The same linear classifier trained three ways, timed side by side: normal training in one process, DDP in
+--world_size processes (mp.spawn), and nn.DataParallel when there are at least 2 GPUs.
+
+    cp .env.example .env        # MASTER_ADDR and MASTER_PORT of the DDP rendezvous
+    python ddp.py --backend gloo --epochs 10 --batch_size 128 --input_size 200 --world_size 2
+    python ddp.py --epochs 10 --batch_size 128 --input_size 200          # every GPU, nccl
+    MASTER_PORT=29511 python ddp.py --env_file other.env --backend gloo  # the environment wins over the file
+
+Without a .env file it uses 127.0.0.1 and a free port, and says so.
+
+How normal training is matched to DDP, so their weights agree to float rounding: DDP rank r trains on
+DistributedSampler(rank=r) shards of --batch_size samples, and DDP averages the ranks' gradients, which is
+the gradient of the mean loss over the union of the ranks' batches. Normal training therefore takes
+batches of batch_size * world_size samples, and its batch i is exactly the union of every rank's batch i:
+ShardUnionSampler asks the same DistributedSamplers (same seed, same epoch) for their shards and
+concatenates them. DataParallel runs on those same global batches. Only the order of float additions
+differs, so the largest weight difference printed at the end is at rounding level (around 1e-7).
+"""
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_common import cli, snapshot
+from ddp_common.data import classification_dataset
+from ddp_common.distributed import add_backend_arg, check_backend, check_can_listen, device_for, summary_line
+from ddp_common.envfile import master_from_env_file
+from ddp_common.models import LinearClassifier
+
+DATASET_SIZE = 4096
+
+
+class ShardUnionSampler:
+    """Batches of one process equal to the union of the DDP ranks' batches, step by step and epoch by epoch."""
+
+    def __init__(self, dataset, world_size, batch_size, seed):
+        self.shards = [DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+                       for rank in range(world_size)]
+        self.batch_size = batch_size
+
+    def set_epoch(self, epoch):
+        for shard in self.shards:
+            shard.set_epoch(epoch)
+
+    def __len__(self):
+        return -(-len(self.shards[0]) // self.batch_size)
+
+    def __iter__(self):
+        shards = [list(shard) for shard in self.shards]
+        for start in range(0, len(shards[0]), self.batch_size):
+            yield [index for shard in shards for index in shard[start:start + self.batch_size]]
+
+
+def build(args, device):
+    """Dataset, model and optimizer: the same in every mode and every process (same seeds)."""
+    dataset = classification_dataset(DATASET_SIZE, args.input_size, seed=args.seed)
+    torch.manual_seed(args.seed)
+    model = LinearClassifier(args.input_size).to(device)
+    return dataset, model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+
+def synchronize(device):
+    # CUDA runs asynchronously: the clock may only be read once the GPU has finished.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(model, loader, sampler, optimizer, args, device, label, reduce=None, verbose=True):
+    """The loop every mode shares. `reduce` sums the epoch's statistics over the ranks.
+    Returns (wall seconds, samples trained on by all processes together)."""
+    synchronize(device)
+    start, samples = time.perf_counter(), 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
+        # loss sum, correct, samples: kept on the device and read once per epoch, not once per step
+        stats = torch.zeros(3, device=device)
+        for source, targets in loader:
+            source, targets = source.to(device), targets.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(source)
+            loss = F.cross_entropy(logits, targets)
+            loss.backward()  # DDP all-reduces the gradients here; DataParallel gathers them on GPU 0
+            optimizer.step()
+            stats[0] += loss.detach() * len(targets)
+            stats[1] += (logits.argmax(dim=1) == targets).sum()
+            stats[2] += len(targets)
+        if reduce:
+            reduce(stats)
+        loss_sum, correct, count = stats.tolist()
+        samples += int(count)
+        if verbose:
+            print(f"[{label}] Epoch {epoch} | loss {loss_sum / count:.6f} | accuracy {correct / count:.4f}")
+    synchronize(device)
+    return time.perf_counter() - start, samples
+
+
+@torch.no_grad()
+def evaluate(model, dataset, device):
+    """(mean loss, accuracy) of the final weights on the whole dataset: the same yardstick for every mode."""
+    source, targets = (tensor.to(device) for tensor in dataset.tensors)
+    logits = model(source)
+    return F.cross_entropy(logits, targets).item(), (logits.argmax(dim=1) == targets).float().mean().item()
+
+
+def normal_training(args, world_size, device):
+    dataset, model, optimizer = build(args, device)
+    sampler = ShardUnionSampler(dataset, world_size, args.batch_size, args.seed)
+    wall, samples = train(model, DataLoader(dataset, batch_sampler=sampler), sampler, optimizer, args, device,
+                          "normal")
+    return model, dataset, wall, samples
+
+
+def ddp_worker(rank, world_size, backend, args, result_path):
+    device = device_for(backend, rank, world_size)
+    # env://: MASTER_ADDR and MASTER_PORT as the parent put them into the environment, which we inherit
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        dataset, model, optimizer = build(args, device)
+        sampler = DistributedSampler(dataset, seed=args.seed)
+        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        wall, samples = train(model, loader, sampler, optimizer, args, device, "DDP", reduce=dist.all_reduce,
+                              verbose=rank == 0)
+        if rank == 0:  # every rank holds the same weights
+            weights = {name: value.cpu() for name, value in snapshot.unwrap(model).state_dict().items()}
+            torch.save({"weights": weights, "wall": wall, "samples": samples,
+                        "steps": args.epochs * len(loader)}, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_training(args, world_size, backend):
+    with tempfile.TemporaryDirectory() as directory:
+        result_path = os.path.join(directory, "ddp_result.pt")
+        try:
+            mp.spawn(cli.run_rank, args=(ddp_worker, world_size, backend, args, result_path), nprocs=world_size)
+        except mp.ProcessExitedException as error:
+            cli.exit_for_spawned_failure(error)
+        result = torch.load(result_path, weights_only=True)
+    model = LinearClassifier(args.input_size)
+    model.load_state_dict(result["weights"])
+    return model, result
+
+
+def data_parallel_training(args, world_size):
+    device = torch.device("cuda", 0)
+    dataset, model, optimizer = build(args, device)
+    # DataParallel splits each batch over the GPUs inside one process; the batches are normal training's.
+    sampler = ShardUnionSampler(dataset, world_size, args.batch_size, args.seed)
+    wall, samples = train(nn.DataParallel(model), DataLoader(dataset, batch_sampler=sampler), sampler,
+                          optimizer, args, device, "DataParallel")
+    return model, dataset, wall, samples
+
+
+def main(args):
+    world_size = args.world_size or torch.cuda.device_count() or 2
+    backend = check_backend(args.backend, ranks_per_node=world_size)
+    address, port, sources = master_from_env_file(args.env_file or ".env", must_exist=args.env_file is not None)
+    check_can_listen(address, port)
+    print(f"MASTER_ADDR={address} ({sources['MASTER_ADDR']})\nMASTER_PORT={port} ({sources['MASTER_PORT']})")
+    print(f"Global batch {args.batch_size * world_size}: normal training takes it whole, "
+          f"DDP {args.batch_size} on each of {world_size} ranks")
+
+    rows = []
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    normal_model, dataset, wall, samples = normal_training(args, world_size, device)
+    rows.append(("normal", wall, samples, *evaluate(normal_model, dataset, device)))
+
+    ddp_model, result = ddp_training(args, world_size, backend)
+    ddp_loss, ddp_accuracy = evaluate(ddp_model, dataset, torch.device("cpu"))
+    rows.append((f"DDP ({world_size} ranks)", result["wall"], result["samples"], ddp_loss, ddp_accuracy))
+
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        dp_model, dataset, wall, samples = data_parallel_training(args, world_size)
+        rows.append((f"DataParallel ({gpus} GPUs)", wall, samples, *evaluate(dp_model, dataset, device)))
+    else:
+        print(f"[DataParallel] skipped: it splits each batch over 2 or more CUDA GPUs, this machine has {gpus}")
+
+    print(f"\n{'mode':<22} | {'wall time':>9} | {'samples/s':>10} | {'final loss':>10} | {'accuracy':>8}")
+    for mode, wall, samples, loss, accuracy in rows:
+        print(f"{mode:<22} | {wall:>8.2f}s | {samples / wall:>10.1f} | {loss:>10.6f} | {accuracy:>8.4f}")
+    print("(wall time: the training loops only, without process start and rendezvous; "
+          "loss and accuracy: final weights on the whole dataset)")
+    difference = max((normal_model.state_dict()[name].cpu() - value).abs().max().item()
+                     for name, value in ddp_model.state_dict().items())
+    print(f"Largest |normal - DDP| weight difference: {difference:.3e}")
+    print(summary_line(args.epochs, result["steps"], ddp_loss, result["samples"], result["wall"], world_size,
+                       backend))
+
+
+if __name__ == "__main__":
+    parser = cli.ArgumentParser(description="Normal training, DDP and DataParallel side by side.")
+    parser.add_argument("--epochs", type=cli.positive_int, default=10, help="epochs to train in every mode")
+    parser.add_argument("--batch_size", type=cli.positive_int, default=128,
+                        help="samples per step and DDP rank (normal training: times --world_size)")
+    parser.add_argument("--input_size", type=cli.positive_int, default=200, help="features per sample")
+    parser.add_argument("--lr", type=cli.positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the data, the model and the shuffling")
+    parser.add_argument("--world_size", type=cli.positive_int,
+                        help="DDP processes to start (default: one per GPU, or 2 without GPUs)")
+    parser.add_argument("--env_file",
+                        help="file with MASTER_ADDR and MASTER_PORT (default: .env in the current directory, "
+                             "if there is one); variables set in the environment win")
+    add_backend_arg(parser)
+    cli.add_timeout_arg(parser)
+    cli.run(main, parser.parse_args())

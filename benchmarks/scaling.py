@@ -1,0 +1,346 @@
+"""Training throughput of DDP at world sizes 1, 2 and 4, against what the machine could give it.
+
+    python benchmarks/scaling.py                                   # MLP, linear, SimpleCNN at 1, 2 and 4 ranks
+    python benchmarks/scaling.py --quick --world_sizes 1 2         # a smoke run in seconds
+    python benchmarks/scaling.py --models cnn --world_sizes 1 2 --profile    # why DDP is slower, variant by variant
+
+Each world size is one mp.spawn of N processes (gloo on 127.0.0.1 at a free port; NCCL when every rank
+has a GPU), each with --threads intra-op threads (default 1). Every process runs, interleaved, for
+each model and repeat:
+  independent  the same loop without DDP and without any communication, all N at the same time: the
+               ceiling, which already contains whatever the machine loses to N busy processes
+               (shared cores, memory bandwidth, other users' load);
+  ddp          the model wrapped in DistributedDataParallel.
+samples/s = N * batch * steps / (wall time of the slowest rank); each figure is the median of --repeats.
+  scaling efficiency  = ddp(N) / (N * ddp(1))
+  vs ceiling          = ddp(N) / independent(N): what DDP itself costs
+  DDP overhead at 1   = independent(1) / ddp(1) - 1: DDP's cost when there is nothing to communicate
+The loop feeds pre-built batches and never reads the loss back per step, so the data loader and host
+syncs stay out of the figures; --profile measures them, and DDP's bucket settings, one at a time.
+Targets (SimpleCNN, batch 64 per rank, 1 thread per rank): ddp >= 0.9 x ceiling at 2 ranks, and at
+most 5% DDP overhead at 1 rank. Writes scaling.json and scaling.png (profile.json with --profile) to --out.
+"""
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
+from benchmarks import report  # noqa: E402
+from ddp_common import cli  # noqa: E402
+from ddp_common.distributed import add_backend_arg, check_backend, device_for, free_port  # noqa: E402
+from ddp_common.models import MLP, LinearClassifier, SimpleCNN  # noqa: E402
+
+# name: (model, per-rank batch, one sample's shape, labels (classes) or regression targets (None), description)
+MODELS = {
+    "mlp": (lambda: MLP(input_size=20), 32, (20,), None, "tutorial MLP 20-64-64-1, batch 32"),
+    "linear": (lambda: LinearClassifier(100, 2), 32, (100,), 2, "linear classifier 100->2, batch 32"),
+    "cnn": (SimpleCNN, 64, (1, 28, 28), 10, "SimpleCNN on 28x28, batch 64"),
+}
+# The DDP settings of the benchmark loop. gradient_as_bucket_view makes the gradients views into DDP's
+# communication buckets, so no copy of every gradient into (and out of) a bucket each step.
+DDP_SETTINGS = {"gradient_as_bucket_view": True}
+# One change at a time against the tutorial's DDP(model) on pre-built batches; see --profile.
+PROFILE_VARIANTS = {
+    "independent (ceiling)": {"mode": "independent"},
+    "independent + DataLoader": {"mode": "independent", "loader": True},
+    "ddp defaults": {"ddp": {}},
+    "ddp defaults + DataLoader (tutorial)": {"ddp": {}, "loader": True},
+    "ddp defaults + loss.item() every step": {"ddp": {}, "item": True},
+    "ddp gradient_as_bucket_view": {"ddp": {"gradient_as_bucket_view": True}},
+    "ddp static_graph": {"ddp": {"static_graph": True}},
+    "ddp bucket_view + static_graph": {"ddp": {"gradient_as_bucket_view": True, "static_graph": True}},
+    "ddp bucket_cap_mb=1": {"ddp": {"bucket_cap_mb": 1}},
+    "ddp bucket_cap_mb=100": {"ddp": {"bucket_cap_mb": 100}},
+}
+TARGET_VS_CEILING, TARGET_OVERHEAD = 0.9, 0.05
+
+
+def make_batches(model_name, count, device, seed):
+    _, batch, shape, classes, _ = MODELS[model_name]
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(count * batch, *shape, generator=generator)
+    y = torch.randint(0, classes, (count * batch,), generator=generator) if classes else \
+        torch.randn(count * batch, 1, generator=generator)
+    return TensorDataset(x.to(device), y.to(device))
+
+
+def loss_of(model_name, model, x, y):
+    if model_name == "cnn":
+        return model(x, labels=y)["loss"]
+    return F.mse_loss(model(x), y) if MODELS[model_name][3] is None else F.cross_entropy(model(x), y)
+
+
+class Case:
+    """One loop to time: a model, with or without DDP, fed from tensors or the tutorial's DataLoader."""
+
+    def __init__(self, model_name, mode="ddp", ddp=None, loader=False, item=False):
+        self.model_name, self.mode, self.loader, self.item = model_name, mode, loader, item
+        self.ddp_kwargs = DDP_SETTINGS if ddp is None else ddp
+
+    def setup(self, device, rank, world_size):
+        torch.manual_seed(0)
+        model = MODELS[self.model_name][0]().to(device)
+        if self.mode == "ddp":
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **self.ddp_kwargs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        batch = MODELS[self.model_name][1]
+        dataset = make_batches(self.model_name, 8 * world_size, device, seed=0)
+        if self.loader:
+            # What the tutorial scripts do: per-sample indexing and collation by the DataLoader.
+            data = DataLoader(dataset, batch_size=batch, sampler=DistributedSampler(dataset, world_size, rank))
+        else:
+            x, y = dataset.tensors
+            data = [(x[i:i + batch], y[i:i + batch]) for i in range(rank * 8 * batch, (rank + 1) * 8 * batch, batch)]
+        return model, optimizer, data
+
+    def run(self, model, optimizer, data, steps):
+        done = 0
+        while done < steps:
+            for x, y in data:
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_of(self.model_name, model, x, y)
+                loss.backward()
+                optimizer.step()
+                if self.item:
+                    loss.item()  # a host sync, as a per-step log line would make
+                done += 1
+                if done == steps:
+                    break
+
+
+def slowest(seconds, device):
+    tensor = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def timed(case, state, steps, device):
+    dist.barrier()  # every rank starts together, so the independent loops really run at the same time
+    start = time.perf_counter()
+    case.run(*state, steps)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return slowest(time.perf_counter() - start, device)
+
+
+def worker(rank, world_size, backend, port, cases, args, result_path):
+    device = device_for(backend, rank, world_size)
+    torch.set_num_threads(args.threads)  # the same per rank at every world size, so only N changes
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        states = {name: case.setup(device, rank, world_size) for name, case in cases.items()}
+        steps = {}
+        for name, case in cases.items():
+            # Warm-up, and a step count that fills --seconds at this world size on this machine.
+            estimate = timed(case, states[name], args.warmup, device) / args.warmup
+            steps[name] = max(3, min(100_000, int(args.seconds / max(estimate, 1e-9))))
+        throughput = {name: [] for name in cases}
+        for _ in range(args.repeats):
+            for name, case in cases.items():  # interleaved: a slow spell of the machine hits every case alike
+                seconds = timed(case, states[name], steps[name], device)
+                throughput[name].append(world_size * MODELS[case.model_name][1] * steps[name] / seconds)
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump({"steps": steps, "samples_per_s": throughput}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world_size, cases, args):
+    backend = check_backend(args.backend, ranks_per_node=world_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        try:
+            mp.spawn(cli.run_rank, args=(worker, world_size, backend, free_port(), cases, args, result_path),
+                     nprocs=world_size)
+        except mp.ProcessExitedException as error:
+            cli.exit_for_spawned_failure(error)
+        with open(result_path) as f:
+            return backend, json.load(f)
+
+
+def oversubscription(world_size, threads):
+    cores = len(os.sched_getaffinity(0))
+    if world_size * threads > cores:
+        return f"oversubscribed: {world_size} ranks x {threads} thread(s) on {cores} cores"
+    return ""
+
+
+def verdict(ok):
+    return "PASS" if ok else "MISS"
+
+
+def run_scaling(args):
+    results, backend = {}, None
+    for world_size in args.world_sizes:
+        cases = {}
+        for model_name in args.models:
+            cases[f"{model_name}/independent"] = Case(model_name, mode="independent")
+            cases[f"{model_name}/ddp"] = Case(model_name)
+        print(f"world size {world_size}: {len(cases)} loops x {args.repeats} repeats "
+              f"{oversubscription(world_size, args.threads)}".rstrip(), flush=True)
+        backend, raw = spawn(world_size, cases, args)
+        results[world_size] = raw
+    rows = []
+    for model_name in args.models:
+        median = {n: {mode: statistics.median(results[n]["samples_per_s"][f"{model_name}/{mode}"])
+                      for mode in ("independent", "ddp")} for n in args.world_sizes}
+        base = median.get(1)
+        for n in args.world_sizes:
+            ddp, ceiling = median[n]["ddp"], median[n]["independent"]
+            rows.append({
+                "model": model_name, "description": MODELS[model_name][4], "batch_per_rank": MODELS[model_name][1],
+                "world_size": n, "threads_per_rank": args.threads,
+                "oversubscribed": bool(oversubscription(n, args.threads)),
+                "steps": results[n]["steps"][f"{model_name}/ddp"],
+                "ddp_samples_per_s": ddp, "independent_samples_per_s": ceiling,
+                "ddp_samples_per_s_repeats": results[n]["samples_per_s"][f"{model_name}/ddp"],
+                "independent_samples_per_s_repeats": results[n]["samples_per_s"][f"{model_name}/independent"],
+                "scaling_efficiency": ddp / (n * base["ddp"]) if base else None,
+                "ceiling_scaling_efficiency": ceiling / (n * base["independent"]) if base else None,
+                "ddp_vs_ceiling": ddp / ceiling,
+                "ddp_overhead": ceiling / ddp - 1 if n == 1 else None,
+            })
+    return backend, rows
+
+
+def print_scaling(rows):
+    headers = ["model", "ranks", "ddp samples/s", "ceiling samples/s", "ddp/ceiling", "scaling eff",
+               "ceiling eff", "note"]
+    lines = []
+    for r in rows:
+        eff = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        note = "oversubscribed" if r["oversubscribed"] else ""
+        if r["ddp_overhead"] is not None:
+            note = f"DDP overhead {100 * r['ddp_overhead']:+.1f}%"
+        lines.append([r["model"], r["world_size"], f"{r['ddp_samples_per_s']:.0f}",
+                      f"{r['independent_samples_per_s']:.0f}", f"{r['ddp_vs_ceiling']:.2f}",
+                      eff(r["scaling_efficiency"]), eff(r["ceiling_scaling_efficiency"]), note])
+    print(report.table(headers, lines))
+
+
+def targets(rows):
+    """PASS/MISS against the targets, for SimpleCNN at batch 64 and 1 thread per rank."""
+    found = []
+    for r in rows:
+        if r["model"] != "cnn" or r["threads_per_rank"] != 1:
+            continue
+        if r["world_size"] == 2:
+            found.append({"target": f"SimpleCNN, 2 ranks: ddp >= {TARGET_VS_CEILING} x independent processes",
+                          "value": r["ddp_vs_ceiling"], "pass": r["ddp_vs_ceiling"] >= TARGET_VS_CEILING})
+        if r["world_size"] == 1:
+            found.append({"target": f"SimpleCNN, 1 rank: DDP overhead <= {TARGET_OVERHEAD:.0%}",
+                          "value": r["ddp_overhead"], "pass": r["ddp_overhead"] <= TARGET_OVERHEAD})
+    return found
+
+
+def plot(rows, path, title):
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for model_name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model_name]
+        sizes = [r["world_size"] for r in mine]
+        line, = ax.plot(sizes, [r["ddp_samples_per_s"] for r in mine], "o-", label=f"{model_name} ddp")
+        ax.plot(sizes, [r["independent_samples_per_s"] for r in mine], "s:", color=line.get_color(),
+                label=f"{model_name} independent (ceiling)")
+    ax.set_xticks(sorted({r["world_size"] for r in rows}))
+    ax.set_yscale("log")
+    ax.set_xlabel("world size (processes)")
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_profile(args):
+    rows = []
+    for world_size in args.world_sizes:
+        for model_name in args.models:
+            cases = {name: Case(model_name, **{"ddp": {}, **options}) for name, options in PROFILE_VARIANTS.items()}
+            print(f"profile {model_name}, world size {world_size}: {len(cases)} variants x {args.repeats} repeats "
+                  f"{oversubscription(world_size, args.threads)}".rstrip(), flush=True)
+            _, raw = spawn(world_size, cases, args)
+            ceiling = statistics.median(raw["samples_per_s"]["independent (ceiling)"])
+            for name in cases:
+                value = statistics.median(raw["samples_per_s"][name])
+                rows.append({"model": model_name, "world_size": world_size, "variant": name,
+                             "samples_per_s": value, "vs_ceiling": value / ceiling,
+                             "samples_per_s_repeats": raw["samples_per_s"][name]})
+    print(report.table(["model", "ranks", "variant", "samples/s", "vs ceiling"],
+                       [[r["model"], r["world_size"], r["variant"], f"{r['samples_per_s']:.0f}",
+                         f"{r['vs_ceiling']:.3f}"] for r in rows]))
+    return rows
+
+
+def main(args):
+    if args.quick:
+        args.repeats, args.seconds, args.warmup = 1, 0.1, 2
+    cores = len(os.sched_getaffinity(0))
+    machine = report.machine()
+    print(report.machine_line(machine), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        rows = run_profile(args)
+        machine["load_average_after"] = report.machine()["load_average_1_5_15min"]
+        result = {"benchmark": "scaling-profile", "machine": machine, "torch": torch.__version__,
+                  "threads_per_rank": args.threads, "repeats": args.repeats, "quick": args.quick, "results": rows}
+        print(f"Wrote {report.write_json(args.out / 'profile.json', result)}")
+        return
+    backend, rows = run_scaling(args)
+    machine["load_average_after"] = report.machine()["load_average_1_5_15min"]
+    print(f"backend {backend} | {args.threads} thread(s) per rank | {cores} usable cores | median of "
+          f"{args.repeats} repeat(s) | DDP settings {DDP_SETTINGS} | load average after "
+          f"{', '.join(f'{x:.2f}' for x in machine['load_average_after'])}")
+    print_scaling(rows)
+    if any(r["oversubscribed"] for r in rows):
+        print(f"Oversubscribed rows run more ranks x threads than the {cores} usable cores: their ceiling "
+              "already loses to time sharing, and ddp/ceiling is the figure that still means something.")
+    verdicts = targets(rows)
+    for t in verdicts:
+        print(f"{verdict(t['pass'])}: {t['target']} (measured {t['value']:.3f})")
+    result = {"benchmark": "scaling", "machine": machine, "torch": torch.__version__, "backend": backend,
+              "world_sizes": args.world_sizes, "threads_per_rank": args.threads, "repeats": args.repeats,
+              "seconds_per_measurement": args.seconds, "ddp_settings": DDP_SETTINGS, "quick": args.quick,
+              "targets": verdicts, "results": rows}
+    print(f"Wrote {report.write_json(args.out / 'scaling.json', result)}")
+    plot(rows, args.out / "scaling.png",
+         f"DDP throughput vs independent processes, {backend}, {args.threads} thread/rank | "
+         f"{machine['hostname']}: {machine['cpu_model']}, {cores} cores | torch {torch.__version__}")
+    print(f"Wrote {args.out / 'scaling.png'}")
+
+
+if __name__ == "__main__":
+    parser = cli.ArgumentParser(description="DDP samples/s at several world sizes against independent "
+                                            "processes (the ceiling), with scaling efficiency and DDP overhead.")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to train")
+    parser.add_argument("--world_sizes", nargs="+", type=cli.positive_int, default=[1, 2, 4],
+                        help="process counts; efficiencies need 1 among them (default 1 2 4)")
+    parser.add_argument("--threads", type=cli.positive_int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--repeats", type=cli.positive_int, default=5, help="timed runs per loop; medians reported")
+    parser.add_argument("--seconds", type=cli.positive_float, default=2.0,
+                        help="target duration of one timed run; sets the step count (default 2.0)")
+    parser.add_argument("--warmup", type=cli.positive_int, default=5, help="untimed steps per loop first")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: time DataLoader, per-step loss.item() and DDP bucket settings one by one")
+    parser.add_argument("--quick", action="store_true", help="1 repeat of 0.1 s: a smoke run, not numbers")
+    parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON and PNG")
+    add_backend_arg(parser)
+    cli.add_timeout_arg(parser)
+    cli.run(main, parser.parse_args())

@@ -1,0 +1,35 @@
+# The examples with CUDA, torch, mpi4py and Open MPI: one image for docker, SLURM (via enroot/apptainer)
+# and the Kubernetes PyTorchJob in k8s/.
+#
+#     docker build -t ddp-examples:latest .
+#     docker run --rm --gpus all --shm-size=2g ddp-examples:latest              # quick start, 2 GPUs
+#     docker run --rm -e NPROC_PER_NODE=1 --gpus all ddp-examples:latest        # a single GPU
+#     docker run --rm ddp-examples:latest                                        # no GPU: 2 CPU processes, gloo
+#     docker run --rm ddp-examples:latest mpirun -np 2 python run_with_mpirun.py --train
+#
+# Assumption: the official image of the pinned torch (requirements.txt: torch==2.13.0) follows the
+# pytorch/pytorch tag scheme <torch>-cuda<X.Y>-cudnn<N>-runtime; pick the CUDA variant your driver
+# supports from https://hub.docker.com/r/pytorch/pytorch/tags and pass it as --build-arg BASE_IMAGE=...
+# Its torch (2.13.0+cuXYZ) satisfies the pin torch==2.13.0, so pip keeps it instead of downloading torch again.
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+# Open MPI refuses to start as root unless told twice; containers run as root.
+ENV OMPI_ALLOW_RUN_AS_ROOT=1 \
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    NPROC_PER_NODE=2
+
+WORKDIR /workspace/ddp-examples
+
+# Requirements first: code edits then reuse the cached dependency layer.
+COPY requirements.txt .
+RUN pip install -r requirements.txt \
+    && python -c "import torch, mpi4py; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
+
+COPY . .
+
+# The quick start: torchrun, NPROC_PER_NODE processes (NCCL with GPUs, gloo without), 20 epochs.
+CMD ["sh", "-c", "exec torchrun --standalone --nproc_per_node=\"$NPROC_PER_NODE\" multigpu_torchrun.py --total_epochs 20 --save_every 5"]

@@ -1,0 +1,192 @@
+"""MNIST with the Hugging Face Trainer: one script for every launcher, DDP on CPUs or GPUs.
+
+    python train.py --data_dir DIR                                          # one process
+    torchrun --standalone --nproc_per_node=2 train.py --data_dir DIR        # DDP, 2 processes
+    mpirun -np 2 python train.py --data_dir DIR                             # DDP, ranks from MPI
+    python train.py --data_dir DIR --num_train_epochs 5 --resume_from_checkpoint last
+    python train.py                                 # MNIST from the Hugging Face Hub (ylecun/mnist)
+
+DIR holds the four MNIST IDX files (plain or .gz, directly or under DIR/MNIST/raw as torchvision
+keeps them) or a DatasetDict written by save_to_disk. Every field of transformers.TrainingArguments
+is a flag (`python train.py --help`), with defaults for a small CNN trained from scratch. The run
+writes checkpoints, the model and train/eval/all_results.json to --output_dir (trainer_output).
+"""
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from ddp_common import cli, mpi
+from ddp_common.distributed import BACKENDS, check_backend, device_for, summary_line
+from ddp_common.hf_data import collate, load_mnist_splits
+from ddp_common.models import SimpleCNN
+
+
+@dataclass
+class ScriptArguments:
+    data_dir: str | None = field(default=None, metadata={
+        "help": "folder with the four MNIST IDX files (or DIR/MNIST/raw), or a DatasetDict saved with "
+                "save_to_disk; default: download ylecun/mnist from the Hugging Face Hub"})
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "where the Hub download is cached (default: the datasets cache, ~/.cache/huggingface)"})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "train on the first N training images only (quick runs)"})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "evaluate on the first N test images only"})
+
+
+@dataclass
+class MNISTTrainingArguments(TrainingArguments):
+    """The Trainer's arguments, with the --backend and --timeout flags of this repository's other scripts."""
+    ddp_backend: str | None = field(default=None, metadata={
+        "aliases": ["--backend"], "choices": list(BACKENDS),
+        "help": "process-group backend (default: nccl when CUDA GPUs are visible, else gloo)"})
+    ddp_timeout: int = field(default=300, metadata={
+        "aliases": ["--timeout"],
+        "help": "seconds to wait for the other ranks before giving up (the library default is 30 minutes)"})
+
+
+class ArgumentParser(HfArgumentParser, cli.ArgumentParser):
+    """HfArgumentParser with one-line errors."""
+
+
+def make_parser():
+    parser = ArgumentParser((ScriptArguments, MNISTTrainingArguments))
+    # The library's defaults suit fine-tuning a pretrained transformer; these suit a small CNN trained
+    # from scratch. Each is still a flag: --learning_rate 5e-4, --use_cpu False, ...
+    parser.set_defaults(
+        output_dir="trainer_output", num_train_epochs=3, learning_rate=1e-3,
+        per_device_train_batch_size=64, per_device_eval_batch_size=256,
+        eval_strategy="epoch", save_strategy="epoch", logging_steps=50, report_to="none",
+        # Without use_cpu, processes on a machine without GPUs would each train alone, without DDP.
+        use_cpu=not torch.cuda.is_available(),
+    )
+    return parser
+
+
+def init_distributed(flags):
+    """Start the process group when a launcher started us, before TrainingArguments would: on CPUs the
+    Trainer leaves out --ddp_timeout (a missing rank would stall everyone for 30 minutes), and a backend
+    this machine lacks would end in a traceback. Returns the backend, None for a single process."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if not flags["use_cpu"] and not torch.cuda.is_available():
+        raise cli.UsageError("--use_cpu False on a machine without CUDA GPUs: the Trainer would then train "
+                             "each process alone instead of with DDP; leave --use_cpu at its default")
+    backend = check_backend(flags["ddp_backend"] or ("gloo" if flags["use_cpu"] else None), local_world_size)
+    device_for(backend, local_rank, local_world_size)
+    dist.init_process_group(backend, timeout=timedelta(seconds=flags["ddp_timeout"]))
+    flags["ddp_backend"] = backend
+    return backend
+
+
+def checkpoint_to_resume(value, output_dir):
+    """--resume_from_checkpoint: a checkpoint folder, or last/True for the newest one in output_dir."""
+    if value is None:
+        return None
+    if value.lower() in ("last", "true"):
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise cli.UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no checkpoint-N folder "
+                                 "to resume from; leave the flag out to start afresh")
+        return last
+    if not os.path.isfile(os.path.join(value, "trainer_state.json")):
+        raise cli.UsageError(f"--resume_from_checkpoint {value}: not a Trainer checkpoint (no trainer_state.json); "
+                             f"give a checkpoint-N folder or 'last'")
+    return value
+
+
+class RunSpan(TrainerCallback):
+    """Where this train() call starts (after a resume, not at 0), for the summary line."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start_step, self.start_epoch = state.global_step, state.epoch or 0.0
+
+
+def accuracy(prediction):
+    return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+
+def check_weights_identical(model, is_rank_zero):
+    """DDP keeps the replicas equal by averaging gradients, so every rank must end with the same bits."""
+    if not dist.is_initialized():
+        return
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().numpy().tobytes())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest.hexdigest())
+    if len(set(digests)) > 1:
+        cli.fail(f"the ranks ended with different weights (sha256 {', '.join(d[:12] for d in digests)}); "
+                 "they did not train as one DDP model", code=1)
+    if is_rank_zero:
+        print(f"weights identical on all {len(digests)} ranks (sha256 {digests[0][:12]})", flush=True)
+
+
+def main():
+    if mpi.launched_by_mpirun():
+        mpi.setup_environment()  # RANK, WORLD_SIZE, MASTER_ADDR, ... before anything reads them
+    parser = make_parser()
+    flags = vars(parser.parse_args())
+    for name in ("max_train_samples", "max_eval_samples", "ddp_timeout"):
+        if flags[name] is not None and flags[name] <= 0:
+            parser.error(f"--{name} must be positive, got {flags[name]}")
+    # Every rank loads the data before waiting for any other, so bad data stops them all at once.
+    splits = load_mnist_splits(flags["data_dir"], flags["cache_dir"])
+    backend = init_distributed(flags)
+    try:
+        script_args, training_args = parser.parse_dict(flags)
+    except ValueError as error:  # flags that contradict each other
+        raise cli.UsageError(cli.one_line(error)) from None
+    checkpoint = checkpoint_to_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+
+    train_set, eval_set = splits["train"], splits["test"]
+    if script_args.max_train_samples:
+        train_set = train_set.select(range(min(script_args.max_train_samples, len(train_set))))
+    if script_args.max_eval_samples:
+        eval_set = eval_set.select(range(min(script_args.max_eval_samples, len(eval_set))))
+    set_seed(training_args.seed)  # the same initial weights on every rank
+    span = RunSpan()
+    trainer = Trainer(model=SimpleCNN(), args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+                      data_collator=collate, compute_metrics=accuracy, callbacks=[span])
+    rank_zero = trainer.is_world_process_zero()
+    if rank_zero:
+        print(f"Training SimpleCNN on {len(train_set)} images, evaluating on {len(eval_set)} | "
+              f"world size {training_args.world_size} | backend {backend or 'none'} | "
+              f"device {training_args.device}" + (f" | resuming from {checkpoint}" if checkpoint else ""),
+              flush=True)
+
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    wall = time.perf_counter() - start
+    trainer.save_model()
+    metrics = {**result.metrics, "train_samples": len(train_set)}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)  # also merged into all_results.json
+    trainer.save_state()
+    metrics = {**trainer.evaluate(), "eval_samples": len(eval_set)}
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    check_weights_identical(trainer.model, rank_zero)
+
+    if rank_zero:
+        state = trainer.state
+        epochs = state.epoch - span.start_epoch
+        losses = [entry["loss"] for entry in state.log_history if "loss" in entry and entry["step"] > span.start_step]
+        print(summary_line(round(epochs, 2), state.global_step - span.start_step,
+                           losses[-1] if losses else result.training_loss, round(epochs * len(train_set)),
+                           wall, training_args.world_size, backend or "none"), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    cli.run(main)

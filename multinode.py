@@ -86,7 +86,12 @@ class Trainer:
         return mean_loss
 
     def train(self, max_epochs):
-        start, loss = time.perf_counter(), float("nan")
+        if self.epochs_run >= max_epochs:
+            if self.rank == 0:
+                print(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
+                      f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
+            return
+        start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
             epochs_done = epoch + 1

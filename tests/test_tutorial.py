@@ -59,6 +59,11 @@ def test_singlegpu_positional_form_resumes_bitwise(tmp_path):
     assert [int(m.group(2)) for m in EPOCH_LINE.finditer(out)] == [2, 3], "resume must not repeat an epoch"
     assert_same_training_state(straight / "snapshot.pt", stopped / "snapshot.pt")
 
+    finished = (stopped / "snapshot.pt").read_bytes()
+    out = run(python_cmd("singlegpu.py", "4", "2", "--batch_size", "64"), cwd=stopped).stdout
+    assert "Nothing to do: snapshot.pt already holds 4 epochs (--total_epochs 4)" in out
+    assert (stopped / "snapshot.pt").read_bytes() == finished
+
 
 def test_multigpu_spawns_ranks_logs_once_and_learns(tmp_path):
     out = run(python_cmd("multigpu.py", "--total_epochs", "4", "--save_every", "2", "--world_size", "2",

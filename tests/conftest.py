@@ -11,7 +11,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # torchrun and mpirun are installed beside this python
-SHARED_MNIST = REPO.parent / "shared" / "data" / "mnist"
+# The official MNIST IDX files; MNIST_DIR points elsewhere when the checkout has no ../shared beside it.
+SHARED_MNIST = Path(os.environ.get("MNIST_DIR", REPO.parent / "shared" / "data" / "mnist"))
 sys.path.insert(0, str(REPO))
 
 

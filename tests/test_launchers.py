@@ -1,0 +1,194 @@
+"""One job under three launchers: run_with_torchrun.py, run_with_python.py and run_with_mpirun.py."""
+import re
+import socket
+import subprocess
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import (assert_bitwise_equal, clean_env, load_snapshot, mpi_env, mpirun_cmd, python_cmd, run,
+                      torchrun_cmd)
+
+HOST = socket.gethostname()
+TABLE_ROW = re.compile(r"^(\S.*?)\s*\| (.+?)\s*\| (.+?)\s*\| (yes|NO on rank [\d, ]+)$", re.MULTILINE)
+SUMMARY = re.compile(r"^Summary: epochs (\d+) \| steps (\d+) \| final loss ([0-9.]+) \| .* \| world size (\d+) "
+                     r"\| backend (\w+)$", re.MULTILINE)
+EPOCH_LINE = re.compile(r"^Epoch (\d+) \| Batchsize (\d+) \| Steps (\d+) \| Loss ([0-9.]+)$", re.MULTILINE)
+TINY_TRAINING = ("--train", "--total_epochs", "2", "--save_every", "1", "--batch_size", "64")
+
+
+def table(output):
+    """Rank 0's table as {collective: (expected, got, ok)}."""
+    return {m.group(1): m.group(2, 3, 4) for m in TABLE_ROW.finditer(output) if m.group(1) != "collective"}
+
+
+def expected_table(world_size):
+    total = world_size * (world_size + 1) // 2
+    return {
+        "all_reduce sum": (f"[{total}, {10 * total}]",) * 2 + ("yes",),
+        "all_reduce avg": (f"[{total}]",) * 2 + ("yes",),
+        "all_gather": (str([[r, r * r] for r in range(world_size)]),) * 2 + ("yes",),
+        f"broadcast from {world_size - 1}": (f"[{100 + world_size - 1}]",) * 2 + ("yes",),
+        "reduce to each rank in turn": (f"[{total}]",) * 2 + ("yes",),  # rank 0's share: total * (0 + 1)
+        "barrier": (f"{world_size} arrived",) * 2 + ("yes",),
+    }
+
+
+def assert_every_rank_announced(output, world_size):
+    lines = output.splitlines()
+    for rank in range(world_size):
+        assert f"{HOST}$Process {rank}: {rank} # {world_size}" in lines, output
+        assert f"{HOST}$Process {rank}: Default device is set to cpu" in lines, output
+    assert not re.search(rf"Process {world_size}\b", output), "one process too many"
+
+
+def test_torchrun_two_ranks_print_who_they_are_and_check_the_collectives(tmp_path):
+    out = run(torchrun_cmd("run_with_torchrun.py"), cwd=tmp_path).stdout
+    assert_every_rank_announced(out, 2)
+    for rank in range(2):
+        assert (f"Process {rank}: rank from RANK, local rank {rank} from LOCAL_RANK, world size from WORLD_SIZE, "
+                f"all set by torchrun; backend gloo") in out.splitlines()
+    assert table(out) == expected_table(2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_python_spawns_the_world_size_it_is_given(tmp_path, world_size):
+    out = run(python_cmd("run_with_python.py", "--world_size", str(world_size)), cwd=tmp_path).stdout
+    assert_every_rank_announced(out, world_size)
+    assert table(out) == expected_table(world_size)
+    assert len(set(re.findall(r"rendezvous (tcp://127\.0\.0\.1:\d+)", out))) == 1, "one rendezvous for all"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mpirun_ranks_agree_with_mpi_itself(tmp_path, world_size):
+    out = run(mpirun_cmd("run_with_mpirun.py", np_=world_size), cwd=tmp_path, env=mpi_env()).stdout
+    assert_every_rank_announced(out, world_size)
+    for rank in range(world_size):
+        assert (f"Process {rank}: rank from MPI.COMM_WORLD.Get_rank(), local rank {rank} from "
+                f"OMPI_COMM_WORLD_LOCAL_RANK, world size {world_size} from MPI.COMM_WORLD.Get_size()") in out
+    masters = set(re.findall(r"master (127\.0\.0\.1:\d+) chosen by rank 0, sent by MPI bcast \(mpirun\)", out))
+    assert len(masters) == 1 and len(re.findall("sent by MPI bcast", out)) == world_size, out
+    total = world_size * (world_size + 1) // 2
+    assert table(out) == {**expected_table(world_size),
+                          "all_reduce vs MPI allreduce": (f"[{total}]", f"[{total}]", "yes")}
+
+
+def test_mpi_script_without_mpirun_is_a_world_of_one(tmp_path):
+    out = run(python_cmd("run_with_mpirun.py"), cwd=tmp_path, env=clean_env()).stdout
+    assert_every_rank_announced(out, 1)
+    assert "world size 1 from MPI.COMM_WORLD.Get_size()" in out
+    assert "no launcher: MPI runs this process as a world of one" in out
+    assert table(out) == {**expected_table(1), "all_reduce vs MPI allreduce": ("[1]", "[1]", "yes")}
+
+
+def test_mpirun_training_matches_torchrun_bitwise_and_resumes(tmp_path):
+    # One thread each: torchrun sets OMP_NUM_THREADS=1 by itself, mpirun does not, and a different thread
+    # count may sum a matrix product in another order.
+    mpi_out = run(mpirun_cmd("run_with_mpirun.py", *TINY_TRAINING, "--snapshot_path", tmp_path / "mpi.pt"),
+                  cwd=tmp_path, env=mpi_env(OMP_NUM_THREADS=1)).stdout
+    torchrun_out = run(torchrun_cmd("multigpu_torchrun.py", *TINY_TRAINING[1:], "--snapshot_path",
+                                    tmp_path / "torchrun.pt"), cwd=tmp_path, env=clean_env(OMP_NUM_THREADS=1)).stdout
+    mpi_summary, torchrun_summary = SUMMARY.search(mpi_out), SUMMARY.search(torchrun_out)
+    assert mpi_summary and torchrun_summary, mpi_out + torchrun_out
+    assert mpi_summary.group(1, 2, 3, 4, 5) == torchrun_summary.group(1, 2, 3, 4, 5) == (
+        "2", str(2 * 2048 // (64 * 2)), torchrun_summary.group(3), "2", "gloo")
+    assert EPOCH_LINE.findall(mpi_out) == EPOCH_LINE.findall(torchrun_out)
+    mpi_state, torchrun_state = load_snapshot(tmp_path / "mpi.pt"), load_snapshot(tmp_path / "torchrun.pt")
+    assert mpi_state["epochs_run"] == torchrun_state["epochs_run"] == 2
+    assert_bitwise_equal(mpi_state["model"], torchrun_state["model"], "model")
+    assert_bitwise_equal(mpi_state["optimizer"], torchrun_state["optimizer"], "optimizer")
+
+    resumed = run(mpirun_cmd("run_with_mpirun.py", "--train", "--total_epochs", "3", "--save_every", "1",
+                             "--batch_size", "64", "--snapshot_path", tmp_path / "mpi.pt"),
+                  cwd=tmp_path, env=mpi_env(OMP_NUM_THREADS=1)).stdout
+    assert f"Resuming from {tmp_path / 'mpi.pt'} at epoch 2" in resumed
+    assert [int(epoch) for epoch, *_ in EPOCH_LINE.findall(resumed)] == [2], "only the missing epoch runs"
+    assert SUMMARY.search(resumed).group(1) == "1"
+    resumed_state = load_snapshot(tmp_path / "mpi.pt")
+    assert resumed_state["epochs_run"] == 3
+    assert not torch.equal(resumed_state["model"]["net.0.weight"], mpi_state["model"]["net.0.weight"])
+
+
+def listening_socket():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize("cmd, env, message", [
+    (python_cmd("run_with_torchrun.py"), clean_env(),
+     "error: run_with_torchrun.py is started by torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE; run "
+     "`torchrun --standalone --nproc_per_node=2 run_with_torchrun.py`"),
+    (python_cmd("run_with_python.py", "--world_size", "0"), clean_env(),
+     "run_with_python.py: error: argument --world_size: must be a positive integer, got 0 (see --help)"),
+    (python_cmd("run_with_python.py", "--world_size", "-3"), clean_env(),
+     "run_with_python.py: error: argument --world_size: must be a positive integer, got -3 (see --help)"),
+    (python_cmd("run_with_python.py", "--master_addr", "10.255.255.1"), clean_env(),
+     "error: cannot listen on 10.255.255.1:0 (Cannot assign requested address); rank 0 must run on the master "
+     "address: give an address of this machine, e.g. 127.0.0.1"),
+    (python_cmd("run_with_python.py", "--master_addr", "no-such-host.invalid"), clean_env(),
+     "error: master address 'no-such-host.invalid' does not resolve"),
+    (python_cmd("run_with_python.py", "--master_port", "70000"), clean_env(),
+     "run_with_python.py: error: argument --master_port: port must be between 1 and 65535, got 70000"),
+    (python_cmd("run_with_python.py", "--backend", "nccl"), clean_env(),
+     "error: backend nccl needs CUDA GPUs and a CUDA build of torch"),
+    (python_cmd("run_with_python.py", "--backend", "mpi"), clean_env(),
+     "error: the mpi backend takes its ranks from mpirun, not from mp.spawn"),
+    (python_cmd("run_with_torchrun.py", "--timeout", "0"), clean_env(),
+     "run_with_torchrun.py: error: argument --timeout: must be a positive number, got 0"),
+    (python_cmd("run_with_mpirun.py", "--backend", "nccl"), clean_env(),
+     "error: backend nccl needs CUDA GPUs and a CUDA build of torch"),
+    (mpirun_cmd("run_with_mpirun.py", "--backend", "mpi"), mpi_env(),
+     "error: this torch build has no MPI backend"),
+    (mpirun_cmd("run_with_python.py", np_=1), mpi_env(),
+     "error: run_with_python.py starts its own processes; under a launcher every copy would start a job"),
+], ids=["torchrun-script-without-torchrun", "world-size-0", "world-size-negative", "unreachable-address",
+        "unresolvable-address", "port-out-of-range", "python-nccl", "python-mpi", "timeout-0", "mpi-script-nccl",
+        "mpirun-mpi-backend", "spawn-script-under-mpirun"])
+def test_bad_input_fails_fast_with_one_line(tmp_path, cmd, env, message):
+    result = run(cmd, cwd=tmp_path, env=env, timeout=60, check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith((message.split(":")[0] + ":"))]
+    assert errors and all(line == errors[0] for line in errors), result.stderr  # one line, the same on each rank
+    assert errors[0].startswith(message), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_port_in_use_is_refused_before_any_process_starts(tmp_path):
+    with listening_socket() as taken:
+        port = taken.getsockname()[1]
+        result = run(python_cmd("run_with_python.py", "--master_port", port), cwd=tmp_path, timeout=60, check=False)
+    assert result.returncode == 2
+    assert result.stderr == (f"error: port {port} on 127.0.0.1 is already in use; pick another master port, "
+                             "or leave it out to get a free one\n")
+    assert result.stdout == ""
+
+
+def test_a_wrong_result_stops_its_rank_with_one_line(capsys, monkeypatch):
+    """A backend that returns a wrong sum: the table says NO and the rank exits 1 naming the collective."""
+    from ddp_common import collectives
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        all_reduce = dist.all_reduce
+
+        def off_by_one(tensor, *args, **kwargs):
+            all_reduce(tensor, *args, **kwargs)
+            tensor += 1
+
+        with monkeypatch.context() as patch:
+            patch.setattr(dist, "all_reduce", off_by_one)
+            checks = collectives.run_all(torch.device("cpu"))
+        with pytest.raises(SystemExit) as exit_info:
+            collectives.report(checks, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert exit_info.value.code == 1
+    out, err = capsys.readouterr()
+    rows = table(out)
+    assert rows["all_reduce sum"] == ("[1, 10]", "[2, 11]", "NO on rank 0")
+    assert rows["all_reduce avg"] == ("[1]", "[2]", "NO on rank 0")
+    assert rows["all_gather"][2] == rows["barrier"][2] == "yes"
+    assert err == ("error: rank 0 got wrong results: all_reduce sum gave [2, 11], expected [1, 10]; "
+                   "all_reduce avg gave [2], expected [1]\n")

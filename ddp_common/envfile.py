@@ -33,9 +33,9 @@ def master_from_env_file(path, must_exist):
 
     def source(name):
         if name in preset:
-            return "the environment"
+            return "from the environment"
         if file_values.get(name):
-            return path
+            return f"from {path}"
         return None
 
     missing = f"not set in {path}" if exists else f"no env file at {path}"
@@ -46,7 +46,7 @@ def master_from_env_file(path, must_exist):
         try:
             port = port_number(port_text.strip())
         except argparse.ArgumentTypeError as error:
-            raise UsageError(f"MASTER_PORT={port_text!r} from {port_source}: {error}") from None
+            raise UsageError(f"MASTER_PORT={port_text!r} {port_source}: {error}") from None
     else:
         check_can_listen(address, 0)  # an address of another machine gets a one-line error, not a traceback
         port, port_source = free_port(address), f"a free port, {missing}"

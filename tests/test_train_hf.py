@@ -1,0 +1,172 @@
+"""train.py (the Hugging Face Trainer script) under python, torchrun and mpirun, on real MNIST digits."""
+import json
+import math
+import re
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import SHARED_MNIST, clean_env, free_port, mpi_env, mpirun_cmd, python_cmd, run, torchrun_cmd
+
+from ddp_common.cli import UsageError
+from ddp_common.data import load_mnist, read_idx, write_idx
+from ddp_common.hf_data import MEAN, STD, collate, load_mnist_splits
+from ddp_common.models import SimpleCNN
+
+TINY = ("--max_train_samples", "512", "--max_eval_samples", "256", "--num_train_epochs", "1", "--disable_tqdm", "True")
+# One thread per process: on a shared 2-core machine two threads per process run several times slower.
+ENV = clean_env(OMP_NUM_THREADS=1)
+
+
+def trainer_state(output_dir):
+    return json.loads((output_dir / "trainer_state.json").read_text())
+
+
+def summary(stdout):
+    match = re.search(r"^Summary: epochs (\S+) \| steps (\d+) \|.*\| world size (\d+) \| backend (\w+)$", stdout, re.M)
+    assert match, f"no summary line in:\n{stdout[-3000:]}"
+    return float(match[1]), int(match[2]), int(match[3]), match[4]
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:"), result.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+def test_idx_reader_on_the_real_test_set():
+    images = read_idx(str(SHARED_MNIST / "t10k-images-idx3-ubyte.gz"))
+    labels = read_idx(str(SHARED_MNIST / "t10k-labels-idx1-ubyte.gz"))
+    assert images.shape == (10000, 28, 28) and images.dtype == np.uint8
+    assert (images.min(), images.max()) == (0, 255)
+    assert np.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def test_collate_normalises_the_split(mnist_dir):
+    splits = load_mnist_splits(str(mnist_dir))
+    assert (len(splits["train"]), len(splits["test"])) == (8000, 2000)
+    batch = collate([splits["test"][i] for i in range(500)])
+    images, labels = load_mnist(str(mnist_dir), "test")
+    assert batch["image"].shape == (500, 1, 28, 28) and batch["image"].dtype == torch.float32
+    expected = (torch.from_numpy(images[:500]).float() / 255 - MEAN) / STD
+    assert torch.allclose(batch["image"][:, 0], expected)
+    assert batch["labels"].dtype == torch.int64 and batch["labels"].tolist() == labels[:500].tolist()
+
+
+def test_torchrun_two_ranks_reach_97_percent(mnist_dir, tmp_path):
+    """The defaults, as a user runs them, on 8,000 real digits; DDP halves the steps of each rank."""
+    start = time.perf_counter()
+    result = run(torchrun_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", tmp_path / "out"),
+                 cwd=tmp_path, timeout=900)
+    wall = time.perf_counter() - start
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    print(f"torchrun 2 ranks, 3 epochs: eval accuracy {results['eval_accuracy']:.4f}, {wall:.0f}s wall")
+    assert results["eval_accuracy"] >= 0.97
+    assert (results["train_samples"], results["eval_samples"]) == (8000, 2000)
+    assert "weights identical on all 2 ranks" in result.stdout
+    # One process would take 3 * ceil(8000 / 64) = 375 steps; two ranks of 64 images each take half.
+    assert summary(result.stdout) == (3.0, 189, 2, "gloo")
+    assert trainer_state(tmp_path / "out")["global_step"] == 3 * math.ceil(8000 / 128)
+    evals = [entry["eval_accuracy"] for entry in trainer_state(tmp_path / "out")["log_history"]
+             if "eval_accuracy" in entry]
+    assert len(evals) == 3 and evals[0] < evals[2]  # once per epoch, improving
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [
+        "checkpoint-126", "checkpoint-189", "checkpoint-63"]
+
+    # The saved model is the trained one: it scores the reported accuracy on its own.
+    from safetensors.torch import load_file
+    model = SimpleCNN()
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    splits = load_mnist_splits(str(mnist_dir))
+    batch = collate([splits["test"][i] for i in range(2000)])
+    with torch.no_grad():
+        predicted = model(batch["image"])["logits"].argmax(-1)
+    assert (predicted == batch["labels"]).float().mean().item() == pytest.approx(results["eval_accuracy"], abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def one_epoch_run(mnist_dir, tmp_path_factory):
+    """One epoch of 512 images in one process: 8 steps of 64, checkpoint-8."""
+    output_dir = tmp_path_factory.mktemp("python_run") / "out"
+    result = run(python_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", output_dir, *TINY),
+                 cwd=output_dir.parent, env=ENV, timeout=300)
+    return output_dir, result
+
+
+def test_python_run_writes_the_trainer_outputs(one_epoch_run):
+    output_dir, result = one_epoch_run
+    assert summary(result.stdout) == (1.0, 8, 1, "none")
+    assert "weights identical" not in result.stdout  # one process: nothing to compare
+    for name in ("model.safetensors", "train_results.json", "eval_results.json", "all_results.json",
+                 "checkpoint-8/optimizer.pt"):
+        assert (output_dir / name).is_file(), name
+    results = json.loads((output_dir / "all_results.json").read_text())
+    assert results["train_samples"] == 512 and results["eval_samples"] == 256
+    assert 0 <= results["eval_accuracy"] <= 1 and results["train_loss"] > 0
+
+
+def test_mpirun_two_ranks_on_a_saved_dataset(one_epoch_run, mnist_dir, tmp_path):
+    """mpirun, with the data as a save_to_disk DatasetDict shaped like the Hub's (PIL images, ClassLabel)."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
+    features = Features({"image": Image(), "label": ClassLabel(names=[str(d) for d in range(10)])})
+    splits = DatasetDict()
+    for name, count in (("train", 512), ("test", 256)):
+        images, labels = load_mnist(str(mnist_dir), name)
+        splits[name] = Dataset.from_dict({"image": list(images[:count]), "label": labels[:count]}, features=features)
+    splits.save_to_disk(str(tmp_path / "saved"))
+
+    result = run(mpirun_cmd("train.py", "--data_dir", tmp_path / "saved", "--output_dir", tmp_path / "out", *TINY),
+                 cwd=tmp_path, env=mpi_env(), timeout=300)
+    assert "weights identical on all 2 ranks" in result.stdout
+    # The same 512 images as the one-process run: each rank takes half of every batch, so half the steps.
+    assert summary(result.stdout) == (1.0, 4, 2, "gloo")
+    assert trainer_state(tmp_path / "out")["global_step"] * 2 == trainer_state(one_epoch_run[0] / "checkpoint-8")["global_step"]
+
+
+def test_resume_from_the_last_checkpoint(one_epoch_run, mnist_dir):
+    output_dir, _ = one_epoch_run
+    result = run(python_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", output_dir, *TINY,
+                            "--num_train_epochs", "2", "--resume_from_checkpoint", "last"),
+                 cwd=output_dir.parent, env=ENV, timeout=300)
+    assert f"resuming from {output_dir / 'checkpoint-8'}" in result.stdout
+    assert summary(result.stdout) == (1.0, 8, 1, "none")  # only the second epoch ran
+    state = trainer_state(output_dir)
+    assert state["global_step"] == 16 and (output_dir / "checkpoint-16").is_dir()
+    assert [entry["epoch"] for entry in state["log_history"] if "eval_accuracy" in entry] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
+def test_no_data_without_a_network_says_how_to_get_it(tmp_path, offline):
+    """An empty cache, and either offline mode or a Hub address where nobody listens (no network here or not)."""
+    env = clean_env(HF_HOME=tmp_path / "hf")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    else:
+        env.pop("HF_HUB_OFFLINE", None)
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
+    start = time.perf_counter()
+    result = run(python_cmd("train.py", "--output_dir", tmp_path / "out"), cwd=tmp_path, env=env, check=False)
+    assert_one_line_error(result, "ylecun/mnist", "--data_dir", "save_to_disk")
+    print(f"failed in {time.perf_counter() - start:.1f}s: {result.stderr.strip()}")
+
+
+def test_missing_file_is_one_line_naming_it(tmp_path):
+    result = run(python_cmd("train.py", "--data_dir", SHARED_MNIST, "--output_dir", tmp_path / "out"),
+                 cwd=tmp_path, check=False)
+    assert_one_line_error(result, "train-images-idx3-ubyte", str(SHARED_MNIST))
+
+
+def test_bad_magic_and_count_mismatch_name_the_file(mnist_dir, tmp_path):
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz"):
+        (tmp_path / name).write_bytes((mnist_dir / name).read_bytes())
+    write_idx(str(tmp_path / "t10k-labels-idx1-ubyte.gz"), read_idx(str(mnist_dir / "t10k-labels-idx1-ubyte.gz"))[:-1])
+    with pytest.raises(UsageError, match=r"t10k-labels-idx1-ubyte.gz has 1999 labels for the 2000 images"):
+        load_mnist_splits(str(tmp_path))
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x07\x01" + bytes(100))
+    with pytest.raises(UsageError, match=r"t10k-labels-idx1-ubyte is not an IDX file \(bad magic number 00000701\)"):
+        load_mnist_splits(str(tmp_path))

@@ -1,0 +1,100 @@
+"""The benchmarks at smoke-test sizes (--quick): they run under their launchers and write JSON whose
+figures are consistent with their own definitions, and a real PNG."""
+import json
+import sys
+
+import pytest
+import torch
+from conftest import REPO, mpi_env, mpirun_cmd, python_cmd, run, torchrun_cmd
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_machine(data, backend, world_size):
+    machine = data["machine"]
+    assert machine["hostname"] and machine["cpu_model"] and machine["cpu_cores"] >= 1
+    assert len(machine["load_average_1_5_15min"]) == 3
+    assert data["torch"] == torch.__version__
+    if backend is not None:
+        assert data["backend"] == backend
+    if world_size is not None:
+        assert data["world_size"] == world_size
+
+
+def assert_png(path):
+    assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000
+
+
+def check_allreduce(path, world_size, mpi):
+    data = json.loads(path.read_text())
+    assert_machine(data, "gloo", world_size)
+    factor = 2 * (world_size - 1) / world_size
+    assert data["bus_factor"] == pytest.approx(factor)
+    sizes = [row["bytes"] for row in data["results"]]
+    assert sizes[0] == 1024 and all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
+    for row in data["results"]:
+        assert 0 < row["time_s"] < 1
+        assert row["algbw_GBps"] == pytest.approx(row["bytes"] / row["time_s"] / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor)
+        assert row["copy_GBps"] > 0 and row["tcp_GBps"] > 0
+        assert ("mpi_busbw_GBps" in row) == mpi
+        if mpi:
+            assert row["mpi_busbw_GBps"] == pytest.approx(row["bytes"] / row["mpi_time_s"] / 1e9 * factor)
+    return data
+
+
+def test_allreduce_quick_under_torchrun(tmp_path):
+    result = run(torchrun_cmd("benchmarks/allreduce.py", "--quick", "--out", tmp_path), cwd=REPO, timeout=120)
+    data = check_allreduce(tmp_path / "allreduce-gloo-n2.json", world_size=2, mpi=False)
+    assert data["launcher"] == "torchrun" and [r["bytes"] for r in data["results"]][-1] == 64 * 1024
+    assert_png(tmp_path / "allreduce-gloo-n2.png")
+    assert "busbw GB/s" in result.stdout and "Peak busbw" in result.stdout
+
+
+def test_allreduce_under_mpirun_adds_mpi_allreduce(tmp_path):
+    run(mpirun_cmd("benchmarks/allreduce.py", "--quick", "--max_size", "4K", "--out", tmp_path), cwd=REPO,
+        env=mpi_env(), timeout=120)
+    data = check_allreduce(tmp_path / "allreduce-gloo-n2.json", world_size=2, mpi=True)
+    assert data["launcher"] == "mpirun" and len(data["results"]) == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "is started by torchrun"),
+    (["--max_size", "3"], "multiple of 4 bytes"),
+])
+def test_allreduce_bad_input_is_one_line(args, message):
+    result = run(python_cmd("benchmarks/allreduce.py", *args), cwd=REPO, check=False, timeout=60)
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_scaling_quick_writes_efficiencies(tmp_path):
+    result = run([sys.executable, REPO / "benchmarks/scaling.py", "--quick", "--world_sizes", "1", "2",
+                  "--models", "cnn", "--out", tmp_path], cwd=REPO, timeout=180)
+    data = json.loads((tmp_path / "scaling.json").read_text())
+    assert_machine(data, "gloo", None)
+    assert data["threads_per_rank"] == 1 and data["world_sizes"] == [1, 2]
+    rows = {(r["model"], r["world_size"]): r for r in data["results"]}
+    assert set(rows) == {("cnn", 1), ("cnn", 2)}
+    for (model, n), r in rows.items():
+        one = rows[(model, 1)]
+        assert r["ddp_samples_per_s"] > 0 and r["independent_samples_per_s"] > 0
+        assert r["scaling_efficiency"] == pytest.approx(r["ddp_samples_per_s"] / (n * one["ddp_samples_per_s"]))
+        assert r["ceiling_scaling_efficiency"] == pytest.approx(
+            r["independent_samples_per_s"] / (n * one["independent_samples_per_s"]))
+        assert r["ddp_vs_ceiling"] == pytest.approx(r["ddp_samples_per_s"] / r["independent_samples_per_s"])
+        assert (r["ddp_overhead"] is None) == (n != 1)
+    assert rows[("cnn", 1)]["batch_per_rank"] == 64
+    targets = {t["target"]: t for t in data["targets"]}
+    assert len(targets) == 2 and all(isinstance(t["pass"], bool) for t in targets.values())
+    for t in targets.values():
+        assert ("PASS" if t["pass"] else "MISS") + ": " + t["target"] in result.stdout
+    assert_png(tmp_path / "scaling.png")
+
+
+def test_startup_times_a_script_to_its_first_epoch(tmp_path):
+    run([sys.executable, REPO / "benchmarks/startup.py", "--scripts", "singlegpu.py", "--repeats", "1",
+         "--out", tmp_path], cwd=REPO, timeout=120)
+    (row,) = json.loads((tmp_path / "startup.json").read_text())["results"]
+    assert row["status"] in ("PASS", "MISS") and 0 < row["first_step_s"] < row["exit_s"]
+    assert row["status"] == ("PASS" if row["first_step_s"] <= 5 else "MISS")

@@ -27,6 +27,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -107,7 +108,7 @@ class Timer:
         return tensor.tolist()
 
     def _batch(self, call, repeat):
-        dist.barrier()
+        dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
         start = time.perf_counter()
         for _ in range(repeat):
             call()
@@ -126,6 +127,8 @@ class Timer:
 def measure(sizes, timer, device, comm):
     world_size = dist.get_world_size()
     tcp = LoopbackTCP(max(sizes))
+    if comm is not None:
+        from mpi4py import MPI
     rows = []
     try:
         for size in sizes:
@@ -138,8 +141,6 @@ def measure(sizes, timer, device, comm):
                    "copy_GBps": size / timer.median_seconds(lambda: copy_target.copy_(tensor)) / 1e9,
                    "tcp_GBps": size / timer.median_seconds(lambda: tcp.transfer(size)) / 1e9}
             if comm is not None:
-                import numpy as np
-                from mpi4py import MPI
                 send, receive = np.ones(count, dtype=np.float32), np.empty(count, dtype=np.float32)
                 mpi_seconds = timer.median_seconds(lambda: comm.Allreduce(send, receive, op=MPI.SUM))
                 row.update(mpi_time_s=mpi_seconds, mpi_busbw_GBps=size / mpi_seconds / 1e9 * bus_factor(world_size))

@@ -221,9 +221,11 @@ def run_scaling(args):
 def print_scaling(rows):
     headers = ["model", "ranks", "ddp samples/s", "ceiling samples/s", "ddp/ceiling", "scaling eff",
                "ceiling eff", "note"]
+    def eff(value):
+        return "-" if value is None else f"{value:.2f}"
+
     lines = []
     for r in rows:
-        eff = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         note = "oversubscribed" if r["oversubscribed"] else ""
         if r["ddp_overhead"] is not None:
             note = f"DDP overhead {100 * r['ddp_overhead']:+.1f}%"

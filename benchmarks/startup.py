@@ -40,7 +40,7 @@ SCRIPTS = {
     "multigpu.py": ([sys.executable], "--total_epochs 1 --save_every 1 --world_size 2 --backend gloo", EPOCH),
     "multigpu_torchrun.py": (TORCHRUN, "--total_epochs 1 --save_every 1", EPOCH),
     "multinode.py": (TORCHRUN, "--total_epochs 1 --save_every 1", EPOCH),
-    "torchrun_ddp.py": (TORCHRUN, "--epochs 1 --save_every 1", EPOCH),
+    "torchrun_ddp.py": (TORCHRUN, "--epochs 1 --save_every 1 --snapshot_path {tmp}/snapshot.pt", EPOCH),
     "ddp.py": ([sys.executable], "--backend gloo --epochs 1 --world_size 2", EPOCH),
     "run_with_torchrun.py": (TORCHRUN, "", r"^Collectives on"),
     "run_with_python.py": ([sys.executable], "--world_size 2", r"^Collectives on"),

@@ -119,8 +119,8 @@ def test_mpirun_two_ranks_on_a_saved_dataset(one_epoch_run, mnist_dir, tmp_path)
         splits[name] = Dataset.from_dict({"image": list(images[:count]), "label": labels[:count]}, features=features)
     splits.save_to_disk(str(tmp_path / "saved"))
 
-    result = run(mpirun_cmd("train.py", "--data_dir", tmp_path / "saved", "--output_dir", tmp_path / "out", *TINY),
-                 cwd=tmp_path, env=mpi_env(), timeout=300)
+    result = run(mpirun_cmd("train.py", "--data_dir", tmp_path / "saved", "--output_dir", tmp_path / "out", *TINY,
+                            "--timeout", "60"), cwd=tmp_path, env=mpi_env(), timeout=200)
     assert "weights identical on all 2 ranks" in result.stdout
     # The same 512 images as the one-process run: each rank takes half of every batch, so half the steps.
     assert summary(result.stdout) == (1.0, 4, 2, "gloo")

@@ -92,11 +92,19 @@ def run(main, *args):
         fail(error, code=2)
     except PeerLostError as error:
         fail(error, code=1)
-    except dist.DistError as error:
+    except (dist.DistError, RuntimeError) as error:
+        if not isinstance(error, dist.DistError) and not is_transport_error(error):
+            raise
         fail(f"lost contact with the other ranks ({one_line(error)}); "
              "check that every rank is alive and reachable, then start again (snapshots resume the run)", code=1)
     except KeyboardInterrupt:
         fail("interrupted", code=130)
+
+
+def is_transport_error(error):
+    """gloo reports a dead or unreachable peer as a plain RuntimeError from its TCP transport."""
+    text = str(error)
+    return "gloo/transport" in text or "Gloo connectFullMesh failed" in text
 
 
 def run_rank(rank, main, *args):
@@ -109,7 +117,7 @@ def exit_for_spawned_failure(error):
     printed its own reason; one killed by a signal could not, so say which one it was."""
     if error.exit_code is not None and error.exit_code > 0:
         sys.exit(error.exit_code)
-    fail(f"process {error.error_index} (pid {error.pid}) was killed by {error.signal_name or 'a signal'}; "
+    fail(f"process {error.error_index} (pid {error.error_pid}) was killed by {error.signal_name or 'a signal'}; "
          "mp.spawn stopped the others. Start again to resume from the last snapshot", code=1)
 
 

@@ -1,6 +1,7 @@
 """Backend and device choice, ports, launcher variables and the closing summary line."""
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,9 @@ def free_port(host="127.0.0.1"):
 def check_can_listen(host, port):
     """Fail fast, before any process starts, if rank 0 could not open its rendezvous port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As TCPStore does: the TIME_WAIT connections a finished run leaves on its port must not count as
+        # "in use" (a live listener still does).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except socket.gaierror as error:
@@ -80,10 +84,18 @@ def check_can_listen(host, port):
 def torchrun_ranks(script):
     """(rank, local_rank, world_size, local_world_size) as torchrun sets them, or how to launch instead."""
     try:
-        return tuple(int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+        ranks = tuple(int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     except KeyError:
         raise UsageError(f"{script} is started by torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE; run "
                          f"`torchrun --standalone --nproc_per_node=2 {script}`") from None
+    if (ranks[0] == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        # Measured here: with the store shared, a restarted group often reads the previous group's
+        # addresses, fails to connect and burns a restart (pytorch/pytorch#135712).
+        print("warning: torchrun shares its rendezvous store with the workers, so restarts may fail on stale "
+              "addresses; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when using --max-restarts",
+              file=sys.stderr, flush=True)
+    return ranks
 
 
 def summary_line(epochs, steps, final_loss, samples, wall_s, world_size, backend):

@@ -5,6 +5,7 @@ gradient scaler where a script uses them), the number of epochs completed, and t
 python, numpy and torch (CPU and CUDA). It is written to a temporary file, flushed to disk and renamed
 over the old one, so a crash leaves either the old or the new snapshot, never half of one.
 """
+import glob
 import os
 import random
 import socket
@@ -42,8 +43,8 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, keep_last=1):
-    """Write a snapshot atomically. With keep_last=K > 1, the K-1 previous ones stay as path.1, path.2, ..."""
+def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None):
+    """Write a snapshot atomically: a reader, or the next start after a crash, sees the old or the new one."""
     state = {
         "format": FORMAT,
         "epochs_run": epochs_run,
@@ -55,6 +56,7 @@ def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, keep_l
     }
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    remove_stale_temporaries(path)
     # Unique per writer: on a shared filesystem, one rank per node may save the same path at once.
     tmp_path = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     try:
@@ -62,10 +64,6 @@ def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, keep_l
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        for older in range(keep_last - 1, 0, -1):
-            source = path if older == 1 else f"{path}.{older - 1}"
-            if os.path.exists(source):
-                os.replace(source, f"{path}.{older}")
         os.replace(tmp_path, path)
     finally:
         if os.path.exists(tmp_path):
@@ -75,6 +73,24 @@ def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, keep_l
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def remove_stale_temporaries(path):
+    """Delete the half-written files that writers on this host left when they were killed mid-save."""
+    for tmp_path in glob.glob(f"{glob.escape(path)}.tmp.{glob.escape(socket.gethostname())}.*"):
+        pid = tmp_path.rsplit(".", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            os.remove(tmp_path)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but another user's
+        return True
+    return True
 
 
 def load(path, model, optimizer, device, scheduler=None, scaler=None):

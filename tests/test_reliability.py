@@ -1,0 +1,208 @@
+"""Killed workers, killed saves, dead peers and lost links: real SIGKILLs sent to real processes.
+
+Every wait here is on a file or a process state, never a fixed sleep.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (BIN, REPO, clean_env, free_port, load_snapshot, python_cmd, run, torchrun_cmd)
+from test_tutorial import assert_same_training_state
+
+FLAGS = ("--save_every", "2", "--batch_size", "16")
+EPOCHS = "30"  # long enough that a kill after the first snapshot lands well before the end
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+def children(pid):
+    """Direct child processes of pid, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def environ(pid):
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def torchrun_worker(agent_pid, local_rank, restart=0):
+    """The pid of the worker torchrun started with this LOCAL_RANK, in this restart round, or None."""
+    for pid in children(agent_pid):
+        env = environ(pid)
+        if env.get("LOCAL_RANK") == str(local_rank) and env.get("TORCHELASTIC_RESTART_COUNT") == str(restart):
+            return pid
+    return None
+
+
+def descendants(pid):
+    found = children(pid)
+    return found + [grandchild for child in found for grandchild in descendants(child)]
+
+
+# The workaround for pytorch/pytorch#135712: without it a restarted group often reads the old group's
+# addresses from torchrun's shared store and burns restarts on failed connects.
+ELASTIC_ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+
+
+def start(cmd, cwd, env=None):
+    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(process, timeout):
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        for pid in [process.pid, *descendants(process.pid)]:  # torchrun's workers live in their own sessions
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"still running after {timeout}s:\n{process.communicate()[0][-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The snapshot of a 2-rank torchrun run that nobody disturbed."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", EPOCHS, *FLAGS), cwd=directory)
+    return directory / "snapshot.pt"
+
+
+def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_equal(tmp_path, uninterrupted):
+    job = start(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", EPOCHS, *FLAGS,
+                             extra=("--max-restarts=3",)), cwd=tmp_path, env=ELASTIC_ENV)
+    wait_for(lambda: (tmp_path / "snapshot.pt").exists() or job.poll() is not None, 120, "the first snapshot")
+    victim = torchrun_worker(job.pid, local_rank=1)
+    assert victim, "rank 1 should still be training"
+    os.kill(victim, signal.SIGKILL)
+    out = finish(job, 180)
+    assert job.returncode == 0, out
+    assert "Resuming from snapshot.pt at epoch" in out, out
+    assert "connectFullMesh failed" not in out, "the first restart should succeed"
+    assert_same_training_state(uninterrupted, tmp_path / "snapshot.pt")
+
+
+def test_restarts_without_the_store_workaround_are_warned_about(tmp_path):
+    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "1", extra=("--max-restarts=1",)),
+              cwd=tmp_path).stderr
+    assert "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when using --max-restarts" in out
+
+
+def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path, uninterrupted):
+    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", *FLAGS), cwd=tmp_path)
+    before = (tmp_path / "snapshot.pt").read_bytes()
+    # A real SIGKILL in the middle of a real save: torch.save writes part of the file, then the process dies.
+    dying_save = (
+        "import os, signal, sys, torch\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from ddp_common import snapshot\n"
+        "from ddp_common.models import MLP\n"
+        "def half_a_save(obj, f):\n"
+        "    f.write(b'the first half of a snapshot'); f.flush()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "torch.save = half_a_save\n"
+        "model = MLP()\n"
+        "snapshot.save('snapshot.pt', model, torch.optim.SGD(model.parameters(), lr=0.1), 4)\n")
+    killed = subprocess.run([sys.executable, "-c", dying_save], cwd=tmp_path, env=clean_env())
+    assert killed.returncode == -signal.SIGKILL
+    assert (tmp_path / "snapshot.pt").read_bytes() == before, "the old snapshot must be untouched"
+    assert len(list(tmp_path.glob("snapshot.pt.tmp.*"))) == 1, "the killed writer leaves its temporary file"
+
+    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", EPOCHS, *FLAGS), cwd=tmp_path).stdout
+    assert "Resuming from snapshot.pt at epoch 2" in out
+    assert not list(tmp_path.glob("snapshot.pt.tmp.*")), "the next save clears what a dead writer left"
+    assert_same_training_state(uninterrupted, tmp_path / "snapshot.pt")
+
+
+def test_mp_spawn_stops_every_rank_when_one_is_killed(tmp_path):
+    job = start(python_cmd("multigpu.py", "--world_size", "2", "--total_epochs", "100000", "--save_every", "1",
+                           "--timeout", "20"), cwd=tmp_path)
+    wait_for(lambda: (tmp_path / "snapshot.pt").exists() or job.poll() is not None, 120, "the first snapshot")
+    ranks = [pid for pid in children(job.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(ranks) == 2, ranks
+    os.kill(max(ranks), signal.SIGKILL)
+    began = time.monotonic()
+    out = finish(job, 60)
+    assert job.returncode == 1, out
+    assert time.monotonic() - began < 30
+    assert "was killed by SIGKILL; mp.spawn stopped the others" in out, out
+    assert load_snapshot(tmp_path / "snapshot.pt")["epochs_run"] >= 1
+
+
+def multinode_agent(cwd, node, port, *args, extra=(), env=None):
+    cmd = [BIN / "torchrun", "--nnodes=2", f"--node-rank={node}", "--nproc_per_node=1", "--rdzv-id=test",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", *extra, REPO / "multinode.py",
+           "--snapshot_path", f"node{node}.pt", *args]
+    return start(cmd, cwd, env)
+
+
+def test_multinode_elastic_restart_ends_bitwise_equal(tmp_path):
+    port, straight = free_port(), tmp_path / "straight"
+    straight.mkdir()
+    agents = [multinode_agent(straight, node, port, "--total_epochs", "8", *FLAGS) for node in (0, 1)]
+    outputs = [finish(agent, 180) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+
+    port, restarted = free_port(), tmp_path / "restarted"
+    restarted.mkdir()
+    agents = [multinode_agent(restarted, node, port, "--total_epochs", "8", *FLAGS, extra=("--max-restarts=3",),
+                             env=ELASTIC_ENV) for node in (0, 1)]
+    wait_for(lambda: (restarted / "node1.pt").exists() or agents[1].poll() is not None, 120, "node 1's snapshot")
+    victim = torchrun_worker(agents[1].pid, local_rank=0)
+    assert victim, "node 1's worker should still be training"
+    os.kill(victim, signal.SIGKILL)
+    outputs = [finish(agent, 180) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert "Resuming from node1.pt at epoch" in outputs[1], outputs[1]
+    for node in (0, 1):
+        assert_same_training_state(straight / f"node{node}.pt", restarted / f"node{node}.pt")
+
+
+def test_multinode_survivor_exits_within_the_timeout_when_a_node_dies(tmp_path):
+    port = free_port()
+    agents = [multinode_agent(tmp_path, node, port, "--total_epochs", "100000", "--save_every", "1",
+                              "--timeout", "20") for node in (0, 1)]
+    wait_for(lambda: (tmp_path / "node1.pt").exists() or agents[1].poll() is not None, 120, "node 1's snapshot")
+    for pid in [agents[1].pid, *descendants(agents[1].pid)]:  # the whole node: agent and worker
+        os.kill(pid, signal.SIGKILL)
+    began = time.monotonic()
+    out = finish(agents[0], 60)
+    agents[1].communicate()
+    assert agents[0].returncode != 0
+    assert time.monotonic() - began < 40, "the survivor must give up within the timeout"
+    assert "error: lost contact with the other ranks" in out, out
+    assert load_snapshot(tmp_path / "node0.pt")["epochs_run"] >= 1
+
+
+def test_a_node_that_never_arrives_ends_the_rendezvous_within_join_timeout(tmp_path):
+    lonely = multinode_agent(tmp_path, 0, free_port(), "--total_epochs", "2", extra=("--rdzv-conf=join_timeout=5",))
+    began = time.monotonic()
+    out = finish(lonely, 90)
+    assert lonely.returncode != 0
+    assert time.monotonic() - began < 60
+    assert "RendezvousTimeoutError" in out, out
+    assert not (tmp_path / "node0.pt").exists()

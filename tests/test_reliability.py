@@ -40,6 +40,13 @@ def children(pid):
     return found
 
 
+def running(pid, script):
+    try:
+        return script.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def environ(pid):
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -67,20 +74,40 @@ def descendants(pid):
 ELASTIC_ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
 
 
+STARTED = []
+
+
 def start(cmd, cwd, env=None):
-    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    STARTED.append(process)
+    return process
+
+
+def kill_tree(process):
+    for pid in [process.pid, *descendants(process.pid)]:  # torchrun's workers live in their own sessions
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """A failed test must not leave launchers and workers running into the next one."""
+    yield
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            kill_tree(process)
+            process.communicate()
 
 
 def finish(process, timeout):
     try:
         return process.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        for pid in [process.pid, *descendants(process.pid)]:  # torchrun's workers live in their own sessions
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(process)
         pytest.fail(f"still running after {timeout}s:\n{process.communicate()[0][-3000:]}")
 
 
@@ -187,8 +214,7 @@ def test_multinode_survivor_exits_within_the_timeout_when_a_node_dies(tmp_path):
     agents = [multinode_agent(tmp_path, node, port, "--total_epochs", "100000", "--save_every", "1",
                               "--timeout", "20") for node in (0, 1)]
     wait_for(lambda: (tmp_path / "node1.pt").exists() or agents[1].poll() is not None, 120, "node 1's snapshot")
-    for pid in [agents[1].pid, *descendants(agents[1].pid)]:  # the whole node: agent and worker
-        os.kill(pid, signal.SIGKILL)
+    kill_tree(agents[1])  # the whole node: agent and worker
     began = time.monotonic()
     out = finish(agents[0], 60)
     agents[1].communicate()
@@ -206,3 +232,83 @@ def test_a_node_that_never_arrives_ends_the_rendezvous_within_join_timeout(tmp_p
     assert time.monotonic() - began < 60
     assert "RendezvousTimeoutError" in out, out
     assert not (tmp_path / "node0.pt").exists()
+
+
+class NetworkNamespaces:
+    """Two network namespaces joined by a veth pair: two "machines" with their own addresses."""
+
+    def __init__(self):
+        tag = f"{os.getpid() % 100000}"
+        self.names = [f"ddp{tag}n0", f"ddp{tag}n1"]
+        self.links = [f"ddp{tag}v0", f"ddp{tag}v1"]
+        subnet = 100 + os.getpid() % 150
+        self.addresses = [f"10.213.{subnet}.1", f"10.213.{subnet}.2"]
+
+    def __enter__(self):
+        try:
+            for name in self.names:
+                self.ip("netns", "add", name)
+            self.ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+            for name, link, address in zip(self.names, self.links, self.addresses):
+                self.ip("link", "set", link, "netns", name)
+                self.ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
+                self.ip("-n", name, "link", "set", link, "up")
+                self.ip("-n", name, "link", "set", "lo", "up")
+        except (OSError, subprocess.CalledProcessError) as error:
+            self.__exit__()
+            pytest.skip(f"cannot build network namespaces here (needs root and iproute2): {error}")
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes the veth pair along
+
+    @staticmethod
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    def set_link(self, node, state):
+        self.ip("-n", self.names[node], "link", "set", self.links[node], state)
+
+    def agent(self, cwd, node, port, *args):
+        """torchrun for node `node` inside its namespace; gloo and the agent use the veth address."""
+        env = clean_env(GLOO_SOCKET_IFNAME=self.links[node])
+        cmd = ["ip", "netns", "exec", self.names[node], BIN / "torchrun", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv-id=netns", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addresses[0]}:{port}",
+               f"--local-addr={self.addresses[node]}",
+               # The agent that owns the endpoint's address hosts the store; it cannot tell by hostname here.
+               f"--rdzv-conf=join_timeout=60,read_timeout=15,is_host={int(node == 0)}", REPO / "multinode.py",
+               "--snapshot_path", f"node{node}.pt", "--timeout", "15", *args]
+        return start(cmd, cwd, env)
+
+
+def test_multinode_across_a_real_link_stops_when_it_goes_down_and_resumes(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    with NetworkNamespaces() as net:
+        port = free_port()
+        agents = [net.agent(tmp_path, node, port, "--total_epochs", "100000", "--save_every", "1") for node in (0, 1)]
+        wait_for(lambda: all((tmp_path / f"node{n}.pt").exists() for n in (0, 1))
+                 or any(a.poll() is not None for a in agents), 120, "both nodes' snapshots")
+        workers = [pid for agent in agents for pid in children(agent.pid)]
+        assert len(workers) == 2, workers
+        net.set_link(0, "down")
+        began = time.monotonic()
+        wait_for(lambda: not any(running(pid, "multinode.py") for pid in workers), 15 + 45, "the workers to give up after the link went down (the timeout is 15s)")
+        print(f"both workers gave up {time.monotonic() - began:.1f}s after the link went down")
+        # torchrun's agent on the cut-off node keeps waiting on its rendezvous store; with the link back it
+        # learns of the failure and exits.
+        net.set_link(0, "up")
+        outputs = [finish(agent, 180) for agent in agents]
+        assert all(agent.returncode != 0 for agent in agents), outputs
+        assert "error: lost contact with the other ranks" in "".join(outputs), outputs
+
+        epochs = [load_snapshot(tmp_path / f"node{n}.pt")["epochs_run"] for n in (0, 1)]
+        assert epochs[0] == epochs[1], epochs
+        port = free_port()
+        agents = [net.agent(tmp_path, node, port, "--total_epochs", str(epochs[0] + 2), "--save_every", "1")
+                  for node in (0, 1)]
+        outputs = [finish(agent, 120) for agent in agents]
+        assert [agent.returncode for agent in agents] == [0, 0], outputs
+        assert f"Resuming from node0.pt at epoch {epochs[0]}" in outputs[0], outputs[0]
+        assert load_snapshot(tmp_path / "node1.pt")["epochs_run"] == epochs[0] + 2

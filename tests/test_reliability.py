@@ -312,3 +312,20 @@ def test_multinode_across_a_real_link_stops_when_it_goes_down_and_resumes(tmp_pa
         assert [agent.returncode for agent in agents] == [0, 0], outputs
         assert f"Resuming from node0.pt at epoch {epochs[0]}" in outputs[0], outputs[0]
         assert load_snapshot(tmp_path / "node1.pt")["epochs_run"] == epochs[0] + 2
+
+
+def test_mpirun_stops_every_rank_when_one_is_killed(tmp_path):
+    from conftest import mpi_env, mpirun_cmd
+    job = start(mpirun_cmd("run_with_mpirun.py", "--train", "--total_epochs", "100000", "--save_every", "1",
+                           "--timeout", "20"), cwd=tmp_path, env=mpi_env())
+    wait_for(lambda: (tmp_path / "snapshot.pt").exists() or job.poll() is not None, 120, "the first snapshot")
+    ranks = [pid for pid in descendants(job.pid) if running(pid, "run_with_mpirun.py")]
+    victim = [pid for pid in ranks if environ(pid).get("OMPI_COMM_WORLD_RANK") == "1"]
+    assert len(ranks) == 2 and len(victim) == 1, ranks
+    os.kill(victim[0], signal.SIGKILL)
+    began = time.monotonic()
+    out = finish(job, 60)
+    assert job.returncode != 0, out
+    assert time.monotonic() - began < 30, "mpirun must stop the other ranks promptly"
+    assert not any(running(pid, "run_with_mpirun.py") for pid in ranks)
+    assert load_snapshot(tmp_path / "snapshot.pt")["epochs_run"] >= 1

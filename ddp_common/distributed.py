@@ -77,7 +77,8 @@ def check_can_listen(host, port):
             if error.errno == 98:  # EADDRINUSE
                 raise UsageError(f"port {port} on {host} is already in use; pick another master port, "
                                  "or leave it out to get a free one") from None
-            raise UsageError(f"cannot listen on {host}:{port} ({error.strerror}); rank 0 must run on the "
+            where = f"{host}:{port}" if port else host  # port 0: only the address was being checked
+            raise UsageError(f"cannot listen on {where} ({error.strerror}); rank 0 must run on the "
                              "master address: give an address of this machine, e.g. 127.0.0.1") from None
 
 

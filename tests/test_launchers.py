@@ -126,7 +126,7 @@ def listening_socket():
     (python_cmd("run_with_python.py", "--world_size", "-3"), clean_env(),
      "run_with_python.py: error: argument --world_size: must be a positive integer, got -3 (see --help)"),
     (python_cmd("run_with_python.py", "--master_addr", "10.255.255.1"), clean_env(),
-     "error: cannot listen on 10.255.255.1:0 (Cannot assign requested address); rank 0 must run on the master "
+     "error: cannot listen on 10.255.255.1 (Cannot assign requested address); rank 0 must run on the master "
      "address: give an address of this machine, e.g. 127.0.0.1"),
     (python_cmd("run_with_python.py", "--master_addr", "no-such-host.invalid"), clean_env(),
      "error: master address 'no-such-host.invalid' does not resolve"),

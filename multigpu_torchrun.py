@@ -3,8 +3,8 @@ snapshot makes a restarted run end exactly where an uninterrupted one would.
 
     torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py --total_epochs 50 --save_every 10
     torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py --total_epochs 50 --save_every 10  # CPU
-    torchrun --standalone --nproc_per_node=2 --max-restarts=3 multigpu_torchrun.py --total_epochs 50 \
-        --save_every 10 --snapshot_path snapshot.pt                     # survive a crashed worker
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
+        multigpu_torchrun.py --total_epochs 50 --save_every 10   # survive a crashed worker (README: restarts)
 
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE (and the rendezvous address) for every process, so the
 script no longer spawns or picks ports. Compare with step 2: `diff -u multigpu.py multigpu_torchrun.py`.

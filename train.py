@@ -11,6 +11,7 @@ keeps them) or a DatasetDict written by save_to_disk. Every field of transformer
 is a flag (`python train.py --help`), with defaults for a small CNN trained from scratch. The run
 writes checkpoints, the model and train/eval/all_results.json to --output_dir (trainer_output).
 """
+import gc
 import hashlib
 import os
 import time
@@ -135,6 +136,17 @@ def check_weights_identical(model, is_rank_zero):
         print(f"weights identical on all {len(digests)} ranks (sha256 {digests[0][:12]})", flush=True)
 
 
+def release_process_group(trainer):
+    """Destroy the process group after the DDP wrapper, which holds it too. Whoever drops the group last
+    waits for gloo's worker threads, and one of them may still need the GIL to free a finished
+    collective's tensors: the DDP wrapper, collected at exit, waits holding the GIL and the process hangs
+    now and then (pytorch/pytorch#190489); destroy_process_group waits without it."""
+    trainer.accelerator.free_memory()
+    trainer.model_wrapped = trainer.model
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def main():
     if mpi.launched_by_mpirun():
         mpi.setup_environment()  # RANK, WORLD_SIZE, MASTER_ADDR, ... before anything reads them
@@ -190,7 +202,7 @@ def main():
                            losses[-1] if losses else result.training_loss, round(epochs * len(train_set)),
                            wall, training_args.world_size, backend or "none"), flush=True)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        release_process_group(trainer)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def test_collate_normalises_the_split(mnist_dir):
     batch = collate([splits["test"][i] for i in range(500)])
     images, labels = load_mnist(str(mnist_dir), "test")
     assert batch["image"].shape == (500, 1, 28, 28) and batch["image"].dtype == torch.float32
-    expected = (torch.from_numpy(images[:500]).float() / 255 - MEAN) / STD
+    expected = (torch.from_numpy(images[:500].copy()).float() / 255 - MEAN) / STD
     assert torch.allclose(batch["image"][:, 0], expected)
     assert batch["labels"].dtype == torch.int64 and batch["labels"].tolist() == labels[:500].tolist()
 

@@ -4,6 +4,8 @@
     torchrun --standalone --nproc_per_node=2 train.py --data_dir DIR        # DDP, 2 processes
     mpirun -np 2 python train.py --data_dir DIR                             # DDP, ranks from MPI
     python train.py --data_dir DIR --num_train_epochs 5 --resume_from_checkpoint last
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
+        train.py --data_dir DIR          # a restarted group resumes from the newest checkpoint
     python train.py                                 # MNIST from the Hugging Face Hub (ylecun/mnist)
 
 DIR holds the four MNIST IDX files (plain or .gz, directly or under DIR/MNIST/raw as torchvision
@@ -96,7 +98,10 @@ def init_distributed(flags):
 def checkpoint_to_resume(value, output_dir):
     """--resume_from_checkpoint: a checkpoint folder, or last/True for the newest one in output_dir."""
     if value is None:
-        return None
+        # torchrun --max-restarts starts the same command again after a failure: go on from the newest
+        # checkpoint instead of training from scratch.
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        return get_last_checkpoint(output_dir) if restarted and os.path.isdir(output_dir) else None
     if value.lower() in ("last", "true"):
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:

@@ -329,3 +329,24 @@ def test_mpirun_stops_every_rank_when_one_is_killed(tmp_path):
     assert time.monotonic() - began < 30, "mpirun must stop the other ranks promptly"
     assert not any(running(pid, "run_with_mpirun.py") for pid in ranks)
     assert load_snapshot(tmp_path / "snapshot.pt")["epochs_run"] >= 1
+
+
+def test_train_py_restarted_by_torchrun_resumes_from_its_last_checkpoint(tmp_path, mnist_dir):
+    import json
+    import re
+    out_dir = tmp_path / "out"
+    job = start(torchrun_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", out_dir, "--max_train_samples",
+                             "512", "--max_eval_samples", "256", "--num_train_epochs", "6", "--disable_tqdm",
+                             "True", extra=("--max-restarts=2",)), cwd=tmp_path, env=ELASTIC_ENV)
+    wait_for(lambda: (out_dir / "checkpoint-4" / "trainer_state.json").exists() or job.poll() is not None, 300,
+             "the first checkpoint")
+    victim = torchrun_worker(job.pid, local_rank=1)
+    assert victim, "rank 1 should still be training"
+    os.kill(victim, signal.SIGKILL)
+    out = finish(job, 300)
+    assert job.returncode == 0, out
+    # 512 images, 2 ranks of 64: 4 steps an epoch. The restarted group ran only what was left after its
+    # newest checkpoint, not all 24 steps again.
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 24
+    steps_after_restart = int(re.search(r"^Summary: epochs \S+ \| steps (\d+) \|", out, re.M)[1])
+    assert steps_after_restart < 24 and steps_after_restart % 4 == 0, out[-2000:]

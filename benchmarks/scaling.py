@@ -20,6 +20,7 @@ syncs stay out of the figures; --profile measures them, and DDP's bucket setting
 Targets (SimpleCNN, batch 64 per rank, 1 thread per rank): ddp >= 0.9 x ceiling at 2 ranks, and at
 most 5% DDP overhead at 1 rank. Writes scaling.json and scaling.png (profile.json with --profile) to --out.
 """
+import gc
 import json
 import os
 import statistics
@@ -141,8 +142,9 @@ def worker(rank, world_size, backend, port, cases, args, result_path):
     torch.set_num_threads(args.threads)  # the same per rank at every world size, so only N changes
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
+    states = {}
     try:
-        states = {name: case.setup(device, rank, world_size) for name, case in cases.items()}
+        states.update({name: case.setup(device, rank, world_size) for name, case in cases.items()})
         steps = {}
         for name, case in cases.items():
             # Warm-up, and a step count that fills --seconds at this world size on this machine.
@@ -157,6 +159,10 @@ def worker(rank, world_size, backend, port, cases, args, result_path):
             with open(result_path, "w") as f:
                 json.dump({"steps": steps, "samples_per_s": throughput}, f)
     finally:
+        # The DDP models hold the process group: freed after it (at exit), gloo's threads can abort the
+        # process ("terminate called without an active exception"), so free them first.
+        states.clear()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -32,7 +32,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import classification_dataset
-from ddp_common.distributed import add_backend_arg, check_backend, check_can_listen, device_for, summary_line
+from ddp_common.distributed import (add_backend_arg, check_backend, check_can_listen, device_for, summary_line,
+                                     synchronize)
 from ddp_common.envfile import master_from_env_file
 from ddp_common.models import LinearClassifier
 
@@ -66,12 +67,6 @@ def build(args, device):
     torch.manual_seed(args.seed)
     model = LinearClassifier(args.input_size).to(device)
     return dataset, model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-
-
-def synchronize(device):
-    # CUDA runs asynchronously: the clock may only be read once the GPU has finished.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def train(model, loader, sampler, optimizer, args, device, label, reduce=None, verbose=True):

@@ -27,7 +27,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import regression_dataset
-from ddp_common.distributed import add_backend_arg, pick_backend_and_device, summary_line, torchrun_ranks
+from ddp_common.distributed import (add_backend_arg, pick_backend_and_device, summary_line, synchronize,
+                                     torchrun_ranks)
 from ddp_common.models import MLP
 
 
@@ -99,8 +100,7 @@ class Trainer:
             if self.local_rank == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
                 snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
                 print(f"[RANK {self.rank}] Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)  # CUDA runs asynchronously: the clock must wait for the GPU
         wall = time.perf_counter() - start
         epochs = max_epochs - self.epochs_run
         steps = epochs * len(self.train_data)

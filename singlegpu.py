@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from ddp_common import cli, snapshot
 from ddp_common.data import regression_dataset
-from ddp_common.distributed import summary_line
+from ddp_common.distributed import summary_line, synchronize
 from ddp_common.models import MLP
 
 
@@ -60,8 +60,7 @@ class Trainer:
             if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
                 snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
                 print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)  # CUDA runs asynchronously: the clock must wait for the GPU
         wall = time.perf_counter() - start
         epochs = max_epochs - self.epochs_run
         steps = epochs * len(self.train_data)

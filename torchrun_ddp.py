@@ -26,7 +26,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import classification_dataset
-from ddp_common.distributed import add_backend_arg, pick_backend_and_device, summary_line, torchrun_ranks
+from ddp_common.distributed import (add_backend_arg, pick_backend_and_device, summary_line, synchronize,
+                                     torchrun_ranks)
 from ddp_common.models import LinearClassifier
 
 DATASET_SIZE = 4096
@@ -117,7 +118,7 @@ class Trainer:
                   f"x {self.train_data.batch_size} samples per rank | "
                   f"amp {self.autocast_dtype or 'off'} | device {self.device}")
         loss, samples = float("nan"), 0
-        self._synchronize()
+        synchronize(self.device)
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             epoch_start = time.perf_counter()
@@ -132,17 +133,12 @@ class Trainer:
                     epochs_done % self.save_every == 0 or epochs_done == max_epochs):
                 snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done, scaler=self.scaler)
                 print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
-        self._synchronize()
+        synchronize(self.device)
         wall = time.perf_counter() - start
         epochs = max_epochs - self.epochs_run
         if self.rank == 0:
             print(summary_line(epochs, epochs * steps_per_epoch, loss, samples, wall, dist.get_world_size(),
                                dist.get_backend()))
-
-    def _synchronize(self):
-        # CUDA runs asynchronously: without this the clock stops before the GPU has finished.
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def main(args):

@@ -95,15 +95,19 @@ def init_distributed(flags):
     return backend
 
 
+def newest_checkpoint(output_dir):
+    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+
+
 def checkpoint_to_resume(value, output_dir):
     """--resume_from_checkpoint: a checkpoint folder, or last/True for the newest one in output_dir."""
     if value is None:
         # torchrun --max-restarts starts the same command again after a failure: go on from the newest
         # checkpoint instead of training from scratch.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-        return get_last_checkpoint(output_dir) if restarted and os.path.isdir(output_dir) else None
+        return newest_checkpoint(output_dir) if restarted else None
     if value.lower() in ("last", "true"):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        last = newest_checkpoint(output_dir)
         if last is None:
             raise cli.UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no checkpoint-N folder "
                                  "to resume from; leave the flag out to start afresh")

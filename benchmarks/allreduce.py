@@ -34,7 +34,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import report  # noqa: E402
 from ddp_common import cli, mpi  # noqa: E402
-from ddp_common.distributed import add_backend_arg, pick_backend_and_device, torchrun_ranks  # noqa: E402
+from ddp_common.distributed import (add_backend_arg, pick_backend_and_device, synchronize,  # noqa: E402
+                                     torchrun_ranks)
 
 ELEMENT = torch.tensor([], dtype=torch.float32).element_size()
 
@@ -97,10 +98,6 @@ class Timer:
         self.max_iterations = max_iterations
         self.budget_s = budget_s
 
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _slowest(self, values):
         """Element-wise max over ranks: a collective is as slow as its slowest rank."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -112,7 +109,7 @@ class Timer:
         start = time.perf_counter()
         for _ in range(repeat):
             call()
-        self._sync()
+        synchronize(self.device)
         return (time.perf_counter() - start) / repeat
 
     def median_seconds(self, call):

@@ -41,7 +41,7 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import report  # noqa: E402
 from ddp_common import cli  # noqa: E402
-from ddp_common.distributed import add_backend_arg, check_backend, device_for, free_port  # noqa: E402
+from ddp_common.distributed import add_backend_arg, check_backend, device_for, free_port, synchronize  # noqa: E402
 from ddp_common.models import MLP, LinearClassifier, SimpleCNN  # noqa: E402
 
 # name: (model, per-rank batch, one sample's shape, labels (classes) or regression targets (None), description)
@@ -132,8 +132,7 @@ def timed(case, state, steps, device):
     dist.barrier()  # every rank starts together, so the independent loops really run at the same time
     start = time.perf_counter()
     case.run(*state, steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return slowest(time.perf_counter() - start, device)
 
 

@@ -55,6 +55,12 @@ def pick_backend_and_device(backend, local_rank, ranks_per_node):
     return backend, device_for(backend, local_rank, ranks_per_node)
 
 
+def synchronize(device):
+    """Wait for the device to finish: CUDA runs asynchronously, so a clock read without this stops early."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def free_port(host="127.0.0.1"):
     """A port nobody listens on right now (the OS picks it), so two jobs on one machine never collide."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

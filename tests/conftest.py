@@ -11,8 +11,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # torchrun and mpirun are installed beside this python
-# The official MNIST IDX files; MNIST_DIR points elsewhere when the checkout has no ../shared beside it.
-SHARED_MNIST = Path(os.environ.get("MNIST_DIR", REPO.parent / "shared" / "data" / "mnist"))
+# The official MNIST test set's two IDX files, carried in the repository (tests/data/mnist/README.md says
+# where they come from); MNIST_DIR points at another copy.
+MNIST = Path(os.environ.get("MNIST_DIR", REPO / "tests" / "data" / "mnist"))
 sys.path.insert(0, str(REPO))
 
 
@@ -83,8 +84,8 @@ def assert_bitwise_equal(a, b, what=""):
 def mnist_dir(tmp_path_factory):
     """The real MNIST test images split 8,000 train / 2,000 eval, written as the four IDX files."""
     from ddp_common.data import read_idx, write_idx
-    images = read_idx(str(SHARED_MNIST / "t10k-images-idx3-ubyte.gz"))
-    labels = read_idx(str(SHARED_MNIST / "t10k-labels-idx1-ubyte.gz"))
+    images = read_idx(str(MNIST / "t10k-images-idx3-ubyte.gz"))
+    labels = read_idx(str(MNIST / "t10k-labels-idx1-ubyte.gz"))
     order = np.random.default_rng(0).permutation(len(images))
     train, test = order[:8000], order[8000:]
     directory = tmp_path_factory.mktemp("mnist")

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED_MNIST, clean_env, free_port, mpi_env, mpirun_cmd, python_cmd, run, torchrun_cmd
+from conftest import MNIST, clean_env, free_port, mpi_env, mpirun_cmd, python_cmd, run, torchrun_cmd
 
 from ddp_common.cli import UsageError
 from ddp_common.data import load_mnist, read_idx, write_idx
@@ -39,8 +39,8 @@ def assert_one_line_error(result, *fragments):
 
 
 def test_idx_reader_on_the_real_test_set():
-    images = read_idx(str(SHARED_MNIST / "t10k-images-idx3-ubyte.gz"))
-    labels = read_idx(str(SHARED_MNIST / "t10k-labels-idx1-ubyte.gz"))
+    images = read_idx(str(MNIST / "t10k-images-idx3-ubyte.gz"))
+    labels = read_idx(str(MNIST / "t10k-labels-idx1-ubyte.gz"))
     assert images.shape == (10000, 28, 28) and images.dtype == np.uint8
     assert (images.min(), images.max()) == (0, 255)
     assert np.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
@@ -155,9 +155,9 @@ def test_no_data_without_a_network_says_how_to_get_it(tmp_path, offline):
 
 
 def test_missing_file_is_one_line_naming_it(tmp_path):
-    result = run(python_cmd("train.py", "--data_dir", SHARED_MNIST, "--output_dir", tmp_path / "out"),
+    result = run(python_cmd("train.py", "--data_dir", MNIST, "--output_dir", tmp_path / "out"),
                  cwd=tmp_path, check=False)
-    assert_one_line_error(result, "train-images-idx3-ubyte", str(SHARED_MNIST))
+    assert_one_line_error(result, "train-images-idx3-ubyte", str(MNIST))
 
 
 def test_bad_magic_and_count_mismatch_name_the_file(mnist_dir, tmp_path):

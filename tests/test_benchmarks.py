@@ -98,3 +98,21 @@ def test_startup_times_a_script_to_its_first_epoch(tmp_path):
     (row,) = json.loads((tmp_path / "startup.json").read_text())["results"]
     assert row["status"] in ("PASS", "MISS") and 0 < row["first_step_s"] < row["exit_s"]
     assert row["status"] == ("PASS" if row["first_step_s"] <= 5 else "MISS")
+
+
+def test_clean_exit_counts_clean_runs(tmp_path):
+    run([sys.executable, REPO / "benchmarks/clean_exit.py", "--jobs", "run_with_python.py", "--repeats", "2",
+         "--out", tmp_path], cwd=REPO, timeout=180)
+    data = json.loads((tmp_path / "clean_exit.json").read_text())
+    assert data["total"] == {"launches": 2, "clean": 2, "aborted": 0, "hung": 0, "failed": 0}
+    assert_machine(data, None, None)
+
+
+def test_clean_exit_tells_an_abort_after_a_good_exit_code_from_a_clean_run(monkeypatch):
+    """What torchrun does with a worker that aborts after the summary line: exit code 0, the text says it."""
+    from benchmarks import clean_exit, launches
+    fake = [sys.executable, "-c", "print('Summary: done'); print('terminate called without an active exception')"]
+    monkeypatch.setitem(launches.LAUNCHES, "aborts.py", (lambda script: fake, "", ""))
+    row = clean_exit.stress("aborts.py", repeats=2, timeout=60)
+    assert (row["launches"], row["clean"], row["aborted"]) == (2, 0, 2)
+    assert row["failures"][0]["exit_code"] == 0 and row["failures"][0]["markers"] == ["terminate called"]

@@ -166,9 +166,11 @@ def test_port_in_use_is_refused_before_any_process_starts(tmp_path):
     assert result.stdout == ""
 
 
-def test_a_wrong_result_stops_its_rank_with_one_line(capsys, monkeypatch):
-    """A backend that returns a wrong sum: the table says NO and the rank exits 1 naming the collective."""
+def test_a_wrong_result_fails_its_check_naming_the_collective_and_the_rank(capsys, monkeypatch):
+    """A backend that returns a wrong sum: the table says NO and the rank raises CheckFailed naming the
+    collective (cli.run makes that one line and exit code 1)."""
     from ddp_common import collectives
+    from ddp_common.errors import CheckFailed
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         all_reduce = dist.all_reduce
@@ -180,15 +182,13 @@ def test_a_wrong_result_stops_its_rank_with_one_line(capsys, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(dist, "all_reduce", off_by_one)
             checks = collectives.run_all(torch.device("cpu"))
-        with pytest.raises(SystemExit) as exit_info:
+        with pytest.raises(CheckFailed) as failed:
             collectives.report(checks, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
-    assert exit_info.value.code == 1
-    out, err = capsys.readouterr()
-    rows = table(out)
+    rows = table(capsys.readouterr().out)
     assert rows["all_reduce sum"] == ("[1, 10]", "[2, 11]", "NO on rank 0")
     assert rows["all_reduce avg"] == ("[1]", "[2]", "NO on rank 0")
     assert rows["all_gather"][2] == rows["barrier"][2] == "yes"
-    assert err == ("error: rank 0 got wrong results: all_reduce sum gave [2, 11], expected [1, 10]; "
-                   "all_reduce avg gave [2], expected [1]\n")
+    assert str(failed.value) == ("rank 0 got wrong results: all_reduce sum gave [2, 11], expected [1, 10]; "
+                                 "all_reduce avg gave [2], expected [1]")

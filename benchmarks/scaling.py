@@ -16,10 +16,11 @@ samples/s = N * batch * steps / (wall time of the slowest rank); each figure is 
   vs ceiling          = ddp(N) / independent(N): what DDP itself costs
   DDP overhead at 1   = independent(1) / ddp(1) - 1: DDP's cost when there is nothing to communicate
 The loop feeds pre-built batches and never reads the loss back per step, so the data loader and host
-syncs stay out of the figures; --profile measures them, and DDP's bucket settings, one at a time.
+syncs stay out of the figures; --profile measures them, DDP's bucket settings and Join, one at a time.
 Targets (SimpleCNN, batch 64 per rank, 1 thread per rank): ddp >= 0.9 x ceiling at 2 ranks, and at
 most 5% DDP overhead at 1 rank. Writes scaling.json and scaling.png (profile.json with --profile) to --out.
 """
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -63,6 +65,8 @@ PROFILE_VARIANTS = {
     "ddp bucket_view + static_graph": {"ddp": {"gradient_as_bucket_view": True, "static_graph": True}},
     "ddp bucket_cap_mb=1": {"ddp": {"bucket_cap_mb": 1}},
     "ddp bucket_cap_mb=100": {"ddp": {"bucket_cap_mb": 100}},
+    # What Join costs when nobody runs out early: two 1-element all-reduces per forward pass (README: uneven data).
+    "ddp defaults inside Join": {"ddp": {}, "join": True},
 }
 TARGET_VS_CEILING, TARGET_OVERHEAD = 0.9, 0.05
 
@@ -85,8 +89,8 @@ def loss_of(model_name, model, x, y):
 class Case:
     """One loop to time: a model, with or without DDP, fed from tensors or the tutorial's DataLoader."""
 
-    def __init__(self, model_name, mode="ddp", ddp=None, loader=False, item=False):
-        self.model_name, self.mode, self.loader, self.item = model_name, mode, loader, item
+    def __init__(self, model_name, mode="ddp", ddp=None, loader=False, item=False, join=False):
+        self.model_name, self.mode, self.loader, self.item, self.join = model_name, mode, loader, item, join
         self.ddp_kwargs = DDP_SETTINGS if ddp is None else ddp
 
     def setup(self, device, rank, world_size):
@@ -106,6 +110,10 @@ class Case:
         return model, optimizer, data
 
     def run(self, model, optimizer, data, steps):
+        with Join([model]) if self.join else contextlib.nullcontext():
+            self._steps(model, optimizer, data, steps)
+
+    def _steps(self, model, optimizer, data, steps):
         done = 0
         while done < steps:
             for x, y in data:
@@ -333,7 +341,7 @@ if __name__ == "__main__":
                         help="target duration of one timed run; sets the step count (default 2.0)")
     parser.add_argument("--warmup", type=cli.positive_int, default=5, help="untimed steps per loop first")
     parser.add_argument("--profile", action="store_true",
-                        help="instead: time DataLoader, per-step loss.item() and DDP bucket settings one by one")
+                        help="instead: time DataLoader, per-step loss.item(), DDP bucket settings and Join one by one")
     parser.add_argument("--quick", action="store_true", help="1 repeat of 0.1 s: a smoke run, not numbers")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON and PNG")
     cli.add_distributed_args(parser)

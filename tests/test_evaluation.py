@@ -38,20 +38,29 @@ def held_out_logits(state):
         return model(x), y
 
 
-def test_evaluation_is_the_same_at_world_sizes_1_2_3(tmp_path):
-    """Trained at 2 ranks, the snapshot's model scored at 1, 2 and 3 ranks: the same counts, every one of the
-    1001 samples once, and the same figure as one process scoring the whole set here. The sampler the tutorial
-    advises (DistributedSampler) pads 1001 samples to 1002 at both 2 and 3 ranks, and its figure differs."""
-    trained = run(torchrun_cmd("torchrun_ddp.py", "--epochs", "2", "--snapshot_path", "model.pt", *SMALL),
-                  cwd=tmp_path)
-    assert [e[0] for e in evaluations(trained.stdout)] == [1, 2]  # after every epoch
-    figures = {2: evaluations(trained.stdout)[-1]}  # after epoch 2: the snapshot's weights
+@pytest.fixture(scope="module")
+def uneven_run(tmp_path_factory):
+    """torchrun_ddp.py --uneven (with Join) for 2 epochs at 2 ranks: (folder, stdout). Two tests use it."""
+    folder = tmp_path_factory.mktemp("uneven")
+    result = run(torchrun_cmd("torchrun_ddp.py", "--uneven", "--epochs", "2", "--snapshot_path", "uneven.pt",
+                              "--replica_dir", "replicas", *SMALL), cwd=folder)
+    return folder, result.stdout
+
+
+def test_evaluation_is_the_same_at_world_sizes_1_2_3(uneven_run, tmp_path):
+    """Trained at 2 ranks (the Join run's model), the snapshot's model scored at 1, 2 and 3 ranks: the same counts,
+    every one of the 1001 samples once, and the same figure as one process scoring the whole set here. The
+    sampler the tutorial advises (DistributedSampler) pads 1001 samples to 1002 at both 2 and 3 ranks, and its
+    figure differs."""
+    folder, stdout = uneven_run
+    assert [e[0] for e in evaluations(stdout)] == [1, 2]  # after every epoch
+    figures = {2: evaluations(stdout)[-1]}  # after epoch 2: the snapshot's weights
     for world_size in (1, 3):
-        result = run(torchrun_cmd("torchrun_ddp.py", "--evaluate", "--snapshot_path", "model.pt", *SMALL,
+        result = run(torchrun_cmd("torchrun_ddp.py", "--evaluate", "--snapshot_path", folder / "uneven.pt", *SMALL,
                                   nproc=world_size), cwd=tmp_path)
         (figures[world_size],) = evaluations(result.stdout)
         assert not epoch_lines(result.stdout), "--evaluate must not train"
-    state = load_snapshot(tmp_path / "model.pt")
+    state = load_snapshot(folder / "uneven.pt")
     logits, labels = held_out_logits(state)
     correct = int((logits.argmax(1) == labels).sum())
     loss = F.cross_entropy(logits, labels).item()
@@ -70,21 +79,22 @@ def test_evaluation_is_the_same_at_world_sizes_1_2_3(tmp_path):
         assert padded_accuracy != correct / EVAL_SIZE
 
 
-def test_uneven_shards_train_with_join(tmp_path):
+def test_uneven_shards_train_with_join(uneven_run):
     """Rank 1 has twice rank 0's batches: with Join both finish every epoch and end with the same weights
     and the same optimizer state (Join only re-syncs the weights; the script copies the optimizer state of the
     rank that finished last), which is what the snapshot holds."""
-    result = run(torchrun_cmd("torchrun_ddp.py", "--uneven", "--epochs", "2", "--snapshot_path", "uneven.pt",
-                              "--replica_dir", "replicas", *SMALL), cwd=tmp_path)
+    folder, stdout = uneven_run
     # 4096 samples dealt 1:2 are 1365 and 2731, in batches of 64.
-    assert "Uneven shards: 22, 43 batches on ranks 0 to 1 | Join" in result.stdout
-    assert len(epoch_lines(result.stdout)) == 2 and summary(result.stdout).world_size == 2
-    replicas = [torch.load(tmp_path / "replicas" / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert "Uneven shards: 22, 43 batches on ranks 0 to 1 | Join" in stdout
+    epochs = epoch_lines(stdout)
+    assert len(epochs) == 2 and summary(stdout).world_size == 2
+    assert [line.samples for line in epochs] == [TRAIN_SIZE, TRAIN_SIZE]  # both ranks' shards, every sample once
+    replicas = [torch.load(folder / "replicas" / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert_bitwise_equal(replicas[0], replicas[1], "rank 0 vs rank 1")
-    snapshot = load_snapshot(tmp_path / "uneven.pt")
+    snapshot = load_snapshot(folder / "uneven.pt")
     assert_bitwise_equal(snapshot["model"], replicas[1]["model"], "model")
     assert_bitwise_equal(snapshot["optimizer"], replicas[1]["optimizer"], "optimizer")
-    assert evaluations(result.stdout)[-1][2] > 0.85 * EVAL_SIZE  # it learned (chance 0.5, label noise 5%)
+    assert evaluations(stdout)[-1][2] > 0.85 * EVAL_SIZE  # it learned (chance 0.5, label noise 5%)
 
 
 def test_uneven_shards_without_join_stop_at_the_timeout(tmp_path):

@@ -1,6 +1,6 @@
 """A linear classifier trained with DDP under torchrun: loss and accuracy reduced over all ranks each epoch,
 an exact evaluation on held-out data, gradient accumulation with no_sync, mixed precision, uneven shards with
-Join, and snapshots to resume from.
+Join, gradient compression, a sharded optimizer, and snapshots to resume from.
 
     torchrun --nproc_per_node=2 --nnodes=1 --node_rank=0 --master_addr=127.0.0.1 --master_port=29500 \
         torchrun_ddp.py --backend gloo --total_epochs 5 --batch_size 64 --input_size 100
@@ -15,6 +15,8 @@ Join, and snapshots to resume from.
     torchrun --standalone --nproc_per_node=2 torchrun_ddp.py --uneven --snapshot_path uneven.pt
     # the same without Join: the ranks wait for each other until --timeout, then stop with one line
     torchrun --standalone --nproc_per_node=2 torchrun_ddp.py --uneven --no_join --timeout 10 --snapshot_path x.pt
+    # send less: gradients as rank-1 factors after 10 plain steps, optimizer state sharded over the ranks:
+    torchrun --standalone --nproc_per_node=2 torchrun_ddp.py --comm_hook powersgd --zero --snapshot_path p.pt
 
 Every rank builds the same dataset from --seed and DistributedSampler hands each rank its own shard, so an
 optimizer step sees batch_size * accumulation_steps * world_size samples in all. After every epoch each rank
@@ -29,13 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cli, sharding, snapshot
+from ddp_common import cli, comm_hooks, sharding, snapshot
 from ddp_common.data import classification_splits
-from ddp_common.distributed import check_backend, group_store, require_torchrun, summary_line, synchronize
+from ddp_common.distributed import (check_backend, group_store, optimizer_state_bytes, require_torchrun, summary_line,
+                                    synchronize)
 from ddp_common.errors import UsageError
 from ddp_common.models import LinearClassifier
 from ddp_common.sharding import ShardSampler
@@ -69,10 +73,19 @@ class Trainer:
         self.autocast_dtype = amp_dtype(device) if args.amp else None
         # fp16 gradients underflow without loss scaling; with bf16 or fp32 the scaler is a no-op passthrough.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype == torch.float16)
-        self.epochs_run = snapshot.load(self.snapshot_path, self.model, self.optimizer, scaler=self.scaler)
+        saved = snapshot.read(self.snapshot_path)  # None: a fresh start
+        self.epochs_run = snapshot.restore(saved, self.snapshot_path, self.model, self.optimizer,
+                                           scaler=self.scaler) if saved else 0
         if self.epochs_run and rank == 0:
             print(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
+        # --comm_hook: what DDP sends per step instead of the fp32 gradients (README: sending less).
+        self.comm_hook = comm_hooks.CommHook(args.comm_hook, args.powersgd_rank, args.powersgd_warmup)
+        self.comm_hook.register(self.model)
+        # PowerSGD's error feedback differs between ranks: the snapshot holds every rank's.
+        note = saved and self.comm_hook.restore(saved.get("comm_hook"))
+        if note and rank == 0:
+            print(f"Note: {note}")
 
     def _forward(self, source):
         if self.autocast_dtype is None:
@@ -182,19 +195,41 @@ class Trainer:
                       f"{time.perf_counter() - epoch_start:.2f}s")
             epochs_done = epoch + 1
             self.print_evaluation(epochs_done)
-            # Every rank holds the same weights: one copy on disk is enough.
-            if self.rank == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
-                snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done, scaler=self.scaler)
-                print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+            if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
+                self.save(epoch)
         synchronize(self.device)
         wall = time.perf_counter() - start
         epochs = max_epochs - self.epochs_run
         if self.rank == 0:
             print(summary_line(epochs, epochs * steps_per_epoch, loss, samples, wall))
+        self.print_communication()
         if self.replica_dir:  # what every rank holds at the end, to check that the replicas agree
             os.makedirs(self.replica_dir, exist_ok=True)
-            torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()},
+            optimizer = getattr(self.optimizer, "optim", self.optimizer)  # under --zero, this rank's shard
+            torch.save({"model": self.model.module.state_dict(), "optimizer": optimizer.state_dict()},
                        os.path.join(self.replica_dir, f"rank{self.rank}.pt"))
+
+    def save(self, epoch):
+        """Every rank takes part: ZeRO gathers the shards of the optimizer state on rank 0, and PowerSGD the
+        error feedback of every rank. Every rank holds the same weights: one copy on disk is enough."""
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            self.optimizer.consolidate_state_dict(to=0)
+        hook_states = self.comm_hook.gather_state()
+        if self.rank == 0:
+            snapshot.save(self.snapshot_path, self.model, self.optimizer, epoch + 1, scaler=self.scaler,
+                          comm_hook=hook_states)
+            print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+
+    def print_communication(self):
+        """What each rank sent per step, and the optimizer state each holds (a share of it under --zero)."""
+        held = torch.tensor([optimizer_state_bytes(self.optimizer)], device=self.device)
+        every = [torch.zeros_like(held) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, held)
+        if self.rank == 0:
+            print(f"Communication | hook {self.comm_hook.name} | {self.comm_hook.bytes_per_step()} bytes all-reduced "
+                  f"per step and rank ({self.comm_hook.full_bytes} without a hook)")
+            print(f"Optimizer state | {', '.join(str(int(b)) for b in every)} bytes on ranks 0 to {len(every) - 1} "
+                  f"({int(sum(every))} in all) | {type(self.optimizer).__name__}")
 
 
 def main(args):
@@ -203,6 +238,7 @@ def main(args):
     if args.evaluate and not os.path.exists(args.snapshot_path):
         raise UsageError(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first, or pass the "
                          "--snapshot_path of a trained model")
+    comm_hooks.check(args.comm_hook, args.powersgd_warmup)
     require_torchrun(__file__)
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -219,7 +255,11 @@ def main(args):
     train_set, eval_set = classification_splits(DATASET_SIZE, EVAL_SIZE, args.input_size, seed=args.seed)
     torch.manual_seed(args.seed)
     model = LinearClassifier(args.input_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.zero:  # each rank keeps the momentum of its share of the weights, steps them and broadcasts them
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=args.lr,
+                                            momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # --uneven: rank r gets a share of the training set proportional to r + 1, so the ranks run different numbers
     # of batches. DistributedSampler instead pads the last shards with repeated samples to equal lengths.
     sampler = (ShardSampler(train_set, rank, world_size, shuffle=True, seed=args.seed, uneven=True) if args.uneven
@@ -231,7 +271,9 @@ def main(args):
         trainer.print_evaluation(trainer.epochs_run)
     else:
         trainer.train(args.total_epochs)
-    del trainer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    # DDP, ZeroRedundancyOptimizer (and Join, through them) hold the process group: free them first, so that
+    # destroy_process_group frees the group.
+    del trainer, optimizer
     dist.destroy_process_group()
 
 
@@ -252,5 +294,8 @@ if __name__ == "__main__":
                         help="with --uneven, train without Join: the ranks wait for each other until --timeout")
     parser.add_argument("--replica_dir",
                         help="at the end every rank writes its model and optimizer state to DIR/rank<R>.pt")
+    cli.add_comm_hook_args(parser)  # --comm_hook, --powersgd_rank, --powersgd_warmup
+    parser.add_argument("--zero", action="store_true",
+                        help="shard the optimizer state over the ranks (ZeroRedundancyOptimizer)")
     cli.add_distributed_args(parser)
     cli.run(main, cli.training_args(parser))

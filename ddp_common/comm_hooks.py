@@ -3,7 +3,8 @@ PowerSGD keeps between steps (saved in snapshots, so that a resumed run goes on 
 
 none              DDP's own all-reduce of the fp32 gradient buckets.
 fp16              torch's fp16_compress_hook: the bucket cast to float16 and divided by the world size (the sum is
-                  then the mean, within float16's range), all-reduced, cast back. Half the bytes; float16 keeps 11 bits of mantissa.
+                  then the mean, within float16's range), all-reduced, cast back. Half the bytes; float16 keeps
+                  11 bits of mantissa.
 bf16              the same with bfloat16 (8 bits of mantissa, float32's exponent range). torch's
                   bf16_compress_hook cannot be registered without NCCL 2.10+: DDP refuses it by its name
                   ("requires CUDA 11+ and NCCL 2.10+"), although gloo all-reduces bfloat16 fine. This module's
@@ -66,6 +67,7 @@ class CommHook:
                                           start_powerSGD_iter=powersgd_warmup, min_compression_rate=1)
         self.step_bytes = 0
         self.last_step_bytes = 0
+        self.in_flight = None  # PowerSGD: the previous bucket's future (see counted_hook)
 
     def register(self, model):
         """Register on the DDP `model`. none registers nothing: DDP's built-in all-reduce runs in C++."""
@@ -88,7 +90,14 @@ class CommHook:
         compressing PowerSGD step the numbers PowerSGD itself counts (factors and uncompressed tensors)."""
         compressing = self.powersgd is not None and self.powersgd.iter >= self.powersgd.start_powerSGD_iter
         before = self.powersgd.total_numel_after_compression if compressing else 0
+        if compressing and self.in_flight is not None:
+            # torch's powerSGD_hook all-reduces P and .wait()s for it inside a callback, which runs on one of
+            # gloo's two worker threads. Two buckets compressing at once block both threads, and the all-reduces
+            # they wait for never run (measured: SimpleCNN's two buckets hang on gloo, at 1 rank too). So one
+            # bucket at a time: the backward pass waits here until the previous bucket's all-reduces are done.
+            self.in_flight.wait()
         future = self.hook(state, bucket)
+        self.in_flight = future if compressing and not bucket.is_last() else None
         if compressing:
             elements = self.powersgd.total_numel_after_compression - before
         else:

@@ -105,6 +105,26 @@ def load_mnist(data_dir, split):
     return images, labels.astype(np.int64)
 
 
+MEAN, STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to 0..1
+
+
+def mnist_pixels(images):
+    """uint8 images (N, 28, 28) in a numpy array -> normalised float32 (N, 1, 28, 28), as SimpleCNN takes them."""
+    pixels = torch.from_numpy(np.require(images, requirements="W")).reshape(len(images), 1, 28, 28)
+    return (pixels.float() / 255 - MEAN) / STD
+
+
+def mnist_test_split(data_dir, train_size=8000):
+    """The official MNIST test set (its two t10k files in data_dir) split at random, seed 0, into `train_size`
+    images to train on and the rest to evaluate on, as (train, held-out) TensorDatasets of normalised images:
+    the 8,000 / 2,000 split of the tests (tests/conftest.py, mnist_dir)."""
+    images, labels = load_mnist(data_dir, "test")
+    order = np.random.default_rng(0).permutation(len(images))
+    x, y = mnist_pixels(images), torch.from_numpy(labels)
+    train, held_out = torch.from_numpy(order[:train_size]), torch.from_numpy(order[train_size:])
+    return TensorDataset(x[train], y[train]), TensorDataset(x[held_out], y[held_out])
+
+
 def write_idx(path, array):
     """Write an IDX file (gzipped if path ends in .gz): how tests and users make small MNIST subsets."""
     codes = {np.dtype(v).newbyteorder(">") if np.dtype(v).itemsize > 1 else np.dtype(v): k

@@ -81,7 +81,9 @@ class Trainer:
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
         # --comm_hook: what DDP sends per step instead of the fp32 gradients (README: sending less).
         self.comm_hook = comm_hooks.CommHook(args.comm_hook, args.powersgd_rank, args.powersgd_warmup)
-        self.comm_hook.register(self.model)
+        hook = self.comm_hook.prepare(self.model)  # (state, hook); None for none, DDP's own all-reduce
+        if hook is not None:
+            self.model.register_comm_hook(*hook)
         # PowerSGD's error feedback differs between ranks: the snapshot holds every rank's.
         note = saved and self.comm_hook.restore(saved.get("comm_hook"))
         if note and rank == 0:

@@ -116,7 +116,8 @@ class Case:
         if self.mode == "ddp":
             model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None, **self.ddp_kwargs)
             hook = CommHook(self.hook, args.powersgd_rank, args.powersgd_warmup)
-            hook.register(model)
+            if (registration := hook.prepare(model)) is not None:
+                model.register_comm_hook(*registration)
         if self.zero:
             optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=lr,
                                                 momentum=0.9)

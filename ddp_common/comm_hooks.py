@@ -53,7 +53,7 @@ def check(name, powersgd_warmup):
 
 
 class CommHook:
-    """The communication hook of one DDP model: registers it, counts what it hands to all-reduce, and saves and
+    """The communication hook of one DDP model: prepares it, counts what it hands to all-reduce, and saves and
     restores PowerSGD's state."""
 
     def __init__(self, name, powersgd_rank=1, powersgd_warmup=10):
@@ -69,12 +69,13 @@ class CommHook:
         self.last_step_bytes = 0
         self.in_flight = None  # PowerSGD: the previous bucket's future (see counted_hook)
 
-    def register(self, model):
-        """Register on the DDP `model`. none registers nothing: DDP's built-in all-reduce runs in C++."""
+    def prepare(self, model):
+        """(state, hook) for the DDP `model`'s register_comm_hook, or None for none: DDP's built-in all-reduce,
+        which runs in C++, needs no hook."""
         self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if self.name == "none":
             self.last_step_bytes = self.full_bytes
-            return
+            return None
         self.hook = {"fp16": fp16_compress_hook, "bf16": bf16_hook, "powersgd": powerSGD_hook}[self.name]
         if self.powersgd is not None:
             # PowerSGD's state (error feedback, factors) is laid out as DDP's gradient buckets are. DDP lays them
@@ -83,7 +84,7 @@ class CommHook:
             # layout now, in parameter order, for good (what Join does for a rank that joins; private API).
             model.reducer._push_all_rebuilt_params()
             model.reducer._rebuild_buckets()
-        model.register_comm_hook(self.powersgd, self.counted_hook)
+        return self.powersgd, self.counted_hook
 
     def counted_hook(self, state, bucket):
         """The hook, counting the bytes it hands to all-reduce: the bucket in the hook's dtype, or for a

@@ -1,0 +1,214 @@
+"""fsdp.py, the FSDP2 step, under torchrun: sharded training, the memory it reports, parity with DDP, and its
+distributed checkpoints (complete only when marked, bitwise resume, resharding from 2 ranks to 1 and 3, a
+SIGKILL in the middle of an async save, checkpoints of another model or with a shard missing).
+
+Checkpoints are read back in the test process with DCP's own converter (dcp_to_torch_save), not with fsdp.py.
+"""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, epoch_lines, finish, free_port, run,
+                      start, summary, torchrun_cmd)
+from ddp_common import sharded
+from ddp_common.models import BlockMLP
+
+FLAGS = ("--save_every", "2", "--batch_size", "256")  # 4 steps an epoch at 2 ranks: FSDP on a CPU is slow per step
+EPOCHS = 4
+MEMORY_LINE = re.compile(r"^Rank (\d+) holds params ([\d,]+) B \| grads ([\d,]+) B \| optimizer state ([\d,]+) B; "
+                         r"DDP would hold ([\d,]+) \| ([\d,]+) \| ([\d,]+) B$", re.MULTILINE)
+
+
+def fsdp(*args, nproc=2):
+    return torchrun_cmd("fsdp.py", *args, nproc=nproc)
+
+
+def full_state(checkpoint, tmp_path):
+    """A DCP checkpoint directory as one dict of full tensors, read by DCP's converter in this process."""
+    out = tmp_path / f"{checkpoint.name}-{len(list(tmp_path.iterdir()))}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=True)
+
+
+def full_bytes():
+    return sum(p.numel() * p.element_size() for p in BlockMLP(input_size=20).parameters())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A 2-rank run of EPOCHS epochs, checkpoints every 2: its directory and output."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS), cwd=directory, timeout=180).stdout
+    return directory, out
+
+
+def test_fsdp_learns_reports_its_shards_and_saves_complete_checkpoints(uninterrupted, tmp_path):
+    directory, out = uninterrupted
+    lines = epoch_lines(out)
+    assert [line.epoch for line in lines] == list(range(EPOCHS)), "rank 0 alone logs, once an epoch"
+    assert {line.steps for line in lines} == {2048 // (256 * 2)}, "each rank trains on its half of the data"
+    assert lines[-1].loss < 0.5 * lines[0].loss, [line.loss for line in lines]
+    assert (summary(out).world_size, summary(out).backend) == (2, "gloo")
+
+    checkpoints = directory / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004"]
+    newest = checkpoints / "epoch_000004"
+    assert json.loads((newest / sharded.MARKER).read_text()) == {"epochs_run": 4, "world_size": 2}
+    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", sharded.MARKER]
+
+    # Each rank wrote its own shard of every parameter: from the checkpoint's metadata, the bytes of the model
+    # that each rank's file holds.
+    metadata = FileSystemReader(newest).read_metadata()
+    written = {0: 0, 1: 0}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("model."):
+            item = metadata.state_dict_metadata[index.fqn]
+            chunk = next(c for c in item.chunks if list(c.offsets) == list(index.offset))
+            written[int(info.relative_path[2])] += chunk.sizes.numel() * item.properties.dtype.itemsize
+    full = full_bytes()
+    assert written[0] + written[1] == full and abs(written[0] - written[1]) < 0.05 * full, written
+
+    # What the ranks report holding: their shard (FSDP pads each parameter to a multiple of the world size, so
+    # at most one row of each more), against DDP's full copy computed here from the model itself.
+    reports = {int(m[1]): [int(x.replace(",", "")) for x in m.groups()[1:]] for m in MEMORY_LINE.finditer(out)}
+    assert sorted(reports) == [0, 1], out
+    one_row_each = sum(p[0].numel() * p.element_size() for p in BlockMLP(input_size=20).parameters())
+    for rank, (params, grads, optimizer, *ddp) in reports.items():
+        assert ddp == [full, full, full]
+        for held in (params, grads, optimizer):
+            assert written[rank] <= held <= written[rank] + one_row_each, (rank, held, written, one_row_each)
+
+
+def test_fsdp_and_ddp_reach_the_same_weights_in_fp32(uninterrupted, tmp_path):
+    directory, _ = uninterrupted
+    run(torchrun_cmd("tests/support/fsdp_ddp_reference.py", tmp_path / "ddp.pt", EPOCHS, 256), cwd=tmp_path)
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    fsdp_state = full_state(directory / "checkpoints" / "epoch_000004", tmp_path)
+    torch.manual_seed(0)
+    initial = BlockMLP(input_size=20).state_dict()
+    assert ddp["model"].keys() == fsdp_state["model"].keys()
+    for name, weight in ddp["model"].items():
+        assert torch.allclose(fsdp_state["model"][name], weight, rtol=1e-4, atol=1e-6), name
+        assert torch.allclose(fsdp_state["optimizer"]["state"][name]["momentum_buffer"], ddp["momentum"][name],
+                              rtol=1e-3, atol=1e-6), name
+    assert any(not torch.allclose(initial[n], ddp["model"][n]) for n in initial), "the weights must have trained"
+
+
+def test_a_stopped_run_resumes_bitwise_at_the_same_world_size(uninterrupted, tmp_path):
+    directory, _ = uninterrupted
+    run(fsdp("--total_epochs", "2", *FLAGS), cwd=tmp_path)
+    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS), cwd=tmp_path).stdout
+    assert "Resuming from checkpoints/epoch_000002 at epoch 2" in out
+    assert [line.epoch for line in epoch_lines(out)] == [2, 3]
+    assert_bitwise_equal(full_state(directory / "checkpoints" / "epoch_000004", tmp_path),
+                         full_state(tmp_path / "checkpoints" / "epoch_000004", tmp_path), "state")
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_a_two_rank_checkpoint_loads_at_another_world_size_with_the_full_state(uninterrupted, tmp_path, nproc):
+    directory, _ = uninterrupted
+    shutil.copytree(directory / "checkpoints", tmp_path / "checkpoints")
+    saved = full_state(tmp_path / "checkpoints" / "epoch_000004", tmp_path)
+    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--export_path", "full.pt", nproc=nproc), cwd=tmp_path).stdout
+    assert f"Resuming from checkpoints/epoch_000004 at epoch {EPOCHS}" in out and "Nothing to do" in out
+    assert_bitwise_equal(saved, torch.load(tmp_path / "full.pt", weights_only=True), f"loaded at {nproc} ranks")
+
+
+KILLER = """\
+import os, runpy, signal, sys, threading
+sys.path.insert(0, {repo!r})
+import torch.distributed.checkpoint.filesystem as filesystem
+write_item = filesystem._write_item
+
+def dying_write(transforms, stream, *args):
+    # Rank 1, while it writes its shards of the epoch-4 checkpoint: half a file, then a real SIGKILL.
+    if os.environ["RANK"] == "1" and "epoch_000004.tmp" in stream.name:
+        stream.write(f"half a shard, written by {{threading.current_thread().name}}".encode())
+        stream.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write_item(transforms, stream, *args)
+
+filesystem._write_item = dying_write
+sys.argv[0] = {script!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_sigkill_during_an_async_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):
+    directory, _ = uninterrupted
+    (tmp_path / "killer.py").write_text(KILLER.format(repo=str(REPO), script=str(REPO / "fsdp.py")))
+    job = start([BIN / "torchrun", "--standalone", "--nproc_per_node=2", tmp_path / "killer.py",
+                 "--total_epochs", "6", *FLAGS, "--async_save"], cwd=tmp_path)
+    out = finish(job, 180)
+    assert job.returncode != 0 and "SIGKILL" in out, out[-3000:]
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004.tmp"], out[-3000:]
+    half = (checkpoints / "epoch_000004.tmp" / "__1_0.distcp").read_bytes()
+    assert half.startswith(b"half a shard, written by AsyncCheckpointExecutor"), "killed in DCP's save thread"
+    assert not (checkpoints / "epoch_000004.tmp" / ".metadata").exists()
+    assert_bitwise_equal(full_state(directory / "checkpoints" / "epoch_000002", tmp_path),
+                         full_state(checkpoints / "epoch_000002", tmp_path), "the previous checkpoint")
+
+    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--async_save"), cwd=tmp_path).stdout
+    assert "Resuming from checkpoints/epoch_000002 at epoch 2" in out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004"]
+    assert_bitwise_equal(full_state(directory / "checkpoints" / "epoch_000004", tmp_path),
+                         full_state(checkpoints / "epoch_000004", tmp_path), "resumed from the killed run")
+
+
+def test_amp_trains_in_bf16_and_keeps_fp32_shards(uninterrupted, tmp_path):
+    _, fp32_out = uninterrupted
+    out = run(fsdp("--total_epochs", "2", *FLAGS, "--amp", "--export_path", "full.pt"), cwd=tmp_path).stdout
+    losses, fp32_losses = [line.loss for line in epoch_lines(out)], [line.loss for line in epoch_lines(fp32_out)]
+    assert losses[1] < losses[0], losses
+    assert abs(losses[0] - fp32_losses[0]) > 1e-4, "bf16 compute must change the losses"
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}, "weights are kept in fp32"
+
+
+def test_two_nodes_train_and_checkpoint_into_one_shared_directory(tmp_path):
+    port = free_port()
+    agents = [start([BIN / "torchrun", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_id=fsdp",
+                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", REPO / "fsdp.py",
+                     "--total_epochs", "2", *FLAGS, "--timeout", "60"], tmp_path) for node in (0, 1)]
+    outputs = [finish(agent, 180) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert summary("".join(outputs)).world_size == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "epoch_000002").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", sharded.MARKER]
+
+
+# ---- bad input: one line, no traceback, the checkpoint left as it was ----
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
+    """A checkpoint as fsdp.py writes it (state keyed by parameter name), of the same model narrower."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    other = BlockMLP(input_size=20, width=32)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other(torch.randn(2, 20)).sum().backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(other, optimizer)
+    checkpoint = tmp_path / "checkpoints" / "epoch_000002"
+    save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
+    (checkpoint / sharded.MARKER).write_text(json.dumps({"epochs_run": 2, "world_size": 1}))
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    result = run(fsdp("--total_epochs", "4", *FLAGS), cwd=tmp_path, check=False, timeout=120)
+    assert_one_line_error(result, "checkpoint checkpoints/epoch_000002 does not fit this model",
+                          "model.inp.weight is [32, 20], here [64, 20]", code=1)  # torchrun exits 1
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+
+
+def test_a_checkpoint_with_a_shard_missing_is_refused_in_one_line(uninterrupted, tmp_path):
+    directory, _ = uninterrupted
+    shutil.copytree(directory / "checkpoints", tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "epoch_000004" / "__1_0.distcp").unlink()
+    result = run(fsdp("--total_epochs", "6", *FLAGS), cwd=tmp_path, check=False, timeout=120)
+    assert_one_line_error(result, "checkpoint checkpoints/epoch_000004 is damaged: rank", "could not read it",
+                          "No such file or directory: 'checkpoints/epoch_000004/__1_0.distcp'", code=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_000002", "epoch_000004"]

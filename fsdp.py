@@ -1,9 +1,13 @@
-"""Step 5: FSDP2 shards the model, its gradients and optimizer state over the ranks; each rank saves its shards.
+"""Step 5: FSDP2 shards the model, its gradients and its optimizer state over the ranks; each rank saves its shards.
 
     torchrun --standalone --nproc_per_node=gpu fsdp.py 50 10   # every GPU (no CUDA: fails)
-    torchrun --standalone --nproc_per_node=3 fsdp.py 60 10 --amp --async_save   # resumes at any world size
+    torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --amp --async_save   # 2 processes (CPU: 2 of gloo)
+    # two nodes, HOST an address of node 0; the checkpoints on a filesystem that both nodes share:
+    torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
+        fsdp.py 50 10 --snapshot_path /shared/checkpoints
 
-A restarted group resumes from the snapshot and ends where an uninterrupted run would.
+A checkpoint is a directory of shards (checkpoints/epoch_000010/); a run resumes from the newest complete one,
+at the same or at another world size (README: sharding with FSDP2).
 Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
 `diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py, and -> fsdp.py.
 """
@@ -82,8 +86,10 @@ class Trainer:
             if epoch == self.epochs_run:  # measured once gradients and optimizer state exist
                 self.log(sharded.memory_report(self.model, self.optimizer))
             if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
-                path = self.checkpoints.start(epochs_done)  # a directory of its own, once the last save is complete
-                self.checkpoints.saving(self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
+                path = self.checkpoints.start(epochs_done)  # epoch_N.tmp/, once the save before it is complete
+                # Every rank writes its own shards at once (async: copies them, and writes while training goes on).
+                result = self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group)
+                self.checkpoints.saving(result)
             self.checkpoints.commit(wait=epochs_done == max_epochs)  # async: complete once written
         synchronize(self.device)  # the GPU runs asynchronously: the clock must wait for it
         wall = time.perf_counter() - start
@@ -101,7 +107,8 @@ def load_train_objs(seed, mesh, amp):
     train_set = regression_dataset(2048, seed=seed)
     model = BlockMLP(input_size=20)  # the same weights on every rank; each keeps its shard of them
     # --amp: blocks gathered and computed in bf16; gradients reduced, and weights kept, in fp32.
-    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if amp else MixedPrecisionPolicy()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = bf16 if amp else MixedPrecisionPolicy()  # by default everything in the weights' dtype
     for block in model.blocks:  # each block is gathered for its forward and its backward, and freed after
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: input, norm and output layers

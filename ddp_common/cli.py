@@ -79,7 +79,7 @@ def add_training_args(parser, total_epochs=50, save_every=10, batch_size=32, pos
         parser.add_argument("--save_every", type=positive_int,
                             help=f"write a snapshot every N epochs; the last epoch is always saved (default {save_every})")
         parser.add_argument("--snapshot_path", default=snapshot_path,
-                            help=f"snapshot to resume from and to write to; a missing file means a fresh start "
+                            help=f"snapshot to resume from and to write to; a missing one means a fresh start "
                                  f"(default {snapshot_path})")
     parser.set_defaults(default_total_epochs=total_epochs, default_save_every=save_every)
 

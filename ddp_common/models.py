@@ -19,6 +19,37 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class Block(nn.Module):
+    """One residual MLP block, as in a transformer: x + fc2(relu(fc1(norm(x))))."""
+
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(F.relu(self.fc1(self.norm(x))))
+
+
+class BlockMLP(nn.Module):
+    """The tutorial's regression network made of repeated blocks (fsdp.py): an input layer, `depth` residual
+    blocks, a norm and an output layer. FSDP shards it block by block."""
+
+    def __init__(self, input_size=20, width=64, hidden=256, depth=4, output_size=1):
+        super().__init__()
+        self.inp = nn.Linear(input_size, width)
+        self.blocks = nn.ModuleList(Block(width, hidden) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, output_size)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x))
+
+
 class LinearClassifier(nn.Module):
     """Logistic regression: one linear layer from the features to the class logits."""
 

@@ -1,0 +1,194 @@
+"""Bookkeeping for sharded checkpoints (fsdp.py): which checkpoint directories are complete, whether one fits
+the model, and how many bytes of parameters, gradients and optimizer state a rank holds.
+
+A checkpoint of torch.distributed.checkpoint (DCP) is a directory: a file of shards per rank (`__0_0.distcp`,
+`__1_0.distcp`, ...) and `.metadata`, which the coordinator writes last, once every rank has written and
+fsynced its file. A save killed midway leaves some of these files, and DCP has no other notion of "complete".
+So each checkpoint is written into `epoch_000004.tmp/`; when DCP's save has returned on rank 0, rank 0 writes
+a marker (`complete.json`, fsynced) into it and renames it to `epoch_000004/`. Only directories so named with
+the marker are loaded, the newest first; leftovers of killed saves are removed at the next start.
+"""
+import gc
+import json
+import os
+import re
+import shutil
+import uuid
+from concurrent.futures import Future
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, TensorStorageMetadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.tensor import DTensor
+
+from ddp_common.errors import UsageError, one_line
+
+MARKER = "complete.json"
+KEEP = 2  # complete checkpoints kept: the newest, and the one before it
+NAME = re.compile(r"epoch_(\d+)")
+
+
+class CheckpointDir:
+    """The checkpoints under `root`: `epoch_NNNNNN/` once complete, `epoch_NNNNNN.tmp/` while being written.
+    `root` must be the same directory for every rank: on several nodes, a filesystem they all share.
+
+    DCP's collectives run in a gloo group of the checkpoints' own (`group`): an async save runs them in a
+    thread while training runs FSDP's in the default group, and two threads' collectives in one group could
+    interleave differently on different ranks. dcp.async_save also needs a CPU group when training uses NCCL."""
+
+    def __init__(self, root, log):
+        self.root, self.log = root, log  # log: how rank 0 reports a checkpoint complete
+        self.group = dist.new_group(backend="gloo")
+        self.pending = None  # [epochs, what dcp.save or dcp.async_save returned] until marked complete
+
+    def path(self, epochs):
+        return os.path.join(self.root, f"epoch_{epochs:06d}")
+
+    def complete(self):
+        """[(epochs, path)] of the complete checkpoints, oldest first."""
+        names = os.listdir(self.root) if os.path.isdir(self.root) else []
+        found = [(int(m[1]), os.path.join(self.root, name)) for name in names if (m := NAME.fullmatch(name))]
+        return sorted((epochs, path) for epochs, path in found if os.path.isfile(os.path.join(path, MARKER)))
+
+    def newest(self):
+        """Every rank calls this at start: (epochs, path) of the newest complete checkpoint, (0, None) if there is
+        none. Rank 0 removes what killed saves left and decides; every rank checks that it sees the same root."""
+        choice = None
+        if dist.get_rank() == 0:
+            os.makedirs(self.root, exist_ok=True)
+            for name in os.listdir(self.root):
+                if name.endswith(".tmp"):  # no save of this run starts before every rank has passed this point
+                    shutil.rmtree(os.path.join(self.root, name))
+            probe = f".probe-{uuid.uuid4().hex}"
+            open(os.path.join(self.root, probe), "w").close()
+            choice = (probe, (self.complete() or [(0, None)])[-1])
+        box, sees = [choice], [None] * dist.get_world_size()
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        probe, newest = box[0]
+        dist.all_gather_object(sees, os.path.exists(os.path.join(self.root, probe)), group=self.group)
+        if dist.get_rank() == 0:
+            os.remove(os.path.join(self.root, probe))
+        if not all(sees):
+            blind = [rank for rank, seen in enumerate(sees) if not seen]
+            raise UsageError(f"ranks {blind} do not see the files rank 0 writes in {self.root}: every rank writes "
+                             "its shards into the same checkpoint, so --snapshot_path must be on a filesystem all "
+                             "nodes share (NFS, Lustre, ...)")
+        return newest
+
+    @contextmanager
+    def loading(self, path, state):
+        """Around dcp.load(state, ...): a checkpoint of another model, or one with a shard missing or unreadable
+        on any rank, becomes one line on every rank."""
+        check_fits(path, state)
+        try:
+            yield
+        except CheckpointException as error:  # DCP gathers every rank's failure into this BaseException
+            ranks = sorted(error.failures)
+            cause = error.failures[ranks[0]][0]
+            raise UsageError(f"checkpoint {path} is damaged: rank{'s' * (len(ranks) > 1)} "
+                             f"{', '.join(map(str, ranks))} could not read it ({type(cause).__name__}: "
+                             f"{one_line(cause)}); move it away to resume from the one before, or pass another "
+                             "--snapshot_path") from None
+
+    def start(self, epochs):
+        """The directory to save the checkpoint of `epochs` into, once the save before it is complete (DCP saves
+        one at a time). Nothing loads it until it is marked complete."""
+        self.commit(wait=True)
+        self.pending = [epochs, None]
+        return self.path(epochs) + ".tmp"
+
+    def saving(self, result):
+        """What dcp.save (metadata: written) or dcp.async_save (a future: being written) returned."""
+        self.pending[1] = result
+
+    def commit(self, wait):
+        """Mark the checkpoint in flight complete once its save has returned (now, if `wait`): on rank 0 that
+        means every rank's shards and the metadata are on disk. Rank 0 writes the marker (fsynced), renames the
+        directory, and removes the oldest beyond the newest KEEP."""
+        if self.pending is None or not (wait or not isinstance(self.pending[1], Future) or self.pending[1].done()):
+            return
+        (epochs, result), self.pending = self.pending, None
+        if isinstance(result, Future):
+            result.result()  # raises what the save thread raised
+        if dist.get_rank() != 0:
+            return
+        staging, final = self.path(epochs) + ".tmp", self.path(epochs)
+        with open(os.path.join(staging, MARKER), "w") as f:
+            json.dump({"epochs_run": epochs, "world_size": dist.get_world_size()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(staging, final)
+        fsync_dir(self.root)
+        for _, old in self.complete()[:-KEEP]:
+            shutil.rmtree(old)
+        self.log(f"Epoch {epochs - 1} | Snapshot saved at {final}")
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # makes the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def check_fits(path, state):
+    """Stop with one line if the checkpoint at `path` holds other tensors than `state` would load (another
+    model, other flags): DCP itself loads a checkpoint with extra tensors without a word."""
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:
+        raise UsageError(f"checkpoint {path} cannot be read ({type(error).__name__}: {one_line(error)}); move it "
+                         "away to resume from the one before, or pass another --snapshot_path") from None
+    saved = {key: tuple(item.size) for key, item in metadata.state_dict_metadata.items()
+             if isinstance(item, TensorStorageMetadata)}
+    ours = {key: tuple(value.shape) for key, value in flatten_state_dict(state)[0].items()
+            if isinstance(value, torch.Tensor)}
+    differences = ([f"{key} is {list(saved[key])}, here {list(ours[key])}" for key in ours
+                    if key in saved and saved[key] != ours[key]]
+                   + [f"{key} is missing" for key in ours if key not in saved]
+                   + [f"it holds {key}, which this model lacks" for key in saved if key not in ours])
+    if differences:
+        raise UsageError(f"checkpoint {path} does not fit this model or optimizer ({'; '.join(differences[:3])}"
+                         f"{'; ...' if len(differences) > 3 else ''}); it belongs to another model or flags: move it "
+                         "away or pass another --snapshot_path")
+
+
+def held_bytes(tensors):
+    """The bytes of memory this rank holds for `tensors`, each storage counted once: a DTensor's local shard
+    with FSDP's padding, a plain tensor whole."""
+    storages = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def full_bytes(tensors):
+    """The bytes of `tensors` unsharded: what a rank of DDP holds of them."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def memory_report(model, optimizer):
+    """Every rank calls this after a training step; the report, a line per rank: the bytes of parameters,
+    gradients and optimizer state the rank holds, measured, beside what a DDP rank holds of each (full copies)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+              and v.dim() > 0]  # scalar entries (Adam's step) are no model-sized state
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (held_bytes(params), held_bytes(grads), held_bytes(states)))
+    full = (full_bytes(params), full_bytes(grads), full_bytes(states))
+    return "\n".join(f"Rank {rank} holds params {p:,} B | grads {g:,} B | optimizer state {o:,} B; DDP would hold "
+                     f"{full[0]:,} | {full[1]:,} | {full[2]:,} B" for rank, (p, g, o) in enumerate(held))
+
+
+def release(mesh):
+    """Before destroy_process_group, once the sharded model and optimizer are deleted, so that nothing holds the
+    process group any more (README: clean exits). FSDP2's modules sit in reference cycles (the module's hooks
+    hold FSDP's state, which holds the module) that only the garbage collector frees; and DTensor's caches
+    (sharding propagation, redistribution plans) keep the device mesh for good, which holds its groups."""
+    gc.collect()
+    mesh._pg_registry.clear()  # torch 2.13 has no public way to let a mesh go of its groups

@@ -1,0 +1,155 @@
+"""Step 5: FSDP2 shards the model, its gradients and its optimizer state over the ranks; each rank saves its shards.
+
+    torchrun --standalone --nproc_per_node=gpu fsdp.py 50 10   # every GPU (no CUDA: fails)
+    torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --amp --async_save   # 2 processes (CPU: 2 of gloo)
+    # two nodes, HOST an address of node 0; the checkpoints on a filesystem that both nodes share:
+    torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
+        fsdp.py 50 10 --snapshot_path /shared/checkpoints
+
+A checkpoint is a directory of shards (checkpoints/epoch_000010/); a run resumes from the newest complete one,
+at the same or at another world size (README: sharding with FSDP2).
+Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
+`diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py, and -> fsdp.py.
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_common import cli, sharded
+from ddp_common.data import regression_dataset
+from ddp_common.distributed import check_backend, group_store, require_torchrun, summary_line, synchronize
+from ddp_common.models import BlockMLP
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, async_save, device):
+        self.device = device
+        self.model = model  # sharded by fully_shard, on the device
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.snapshot_path = snapshot_path
+        self.save = dcp.async_save if async_save else dcp.save  # async: copies the shards, writes them in a thread
+        self.logs = dist.get_rank() == 0  # rank 0 speaks for all (and marks checkpoints complete)
+        # Every rank saves its own shards there; rank 0 marks a checkpoint complete once all are written, and says so.
+        self.checkpoints = sharded.CheckpointDir(snapshot_path, log=print)
+        self.epochs_run, path = self.checkpoints.newest()  # complete checkpoints only
+        if self.epochs_run:
+            state = self.state()  # this rank's shards now: DCP reads into them what they cover of the saved ones
+            with self.checkpoints.loading(path, state):  # another model, a missing shard: one line
+                dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            self.log(f"Resuming from {path} at epoch {self.epochs_run}")
+
+    def state(self, options=None):
+        """Model and optimizer state keyed by parameter name, not by rank; by default each rank's shards."""
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model, "optimizer": optimizer}
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(self.model(source), targets)
+        loss.backward()  # FSDP gathers each block again, then reduce-scatters: each rank averages its shard
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch):
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        # Summed on the device and read once per epoch: a .item() per step would stall every step.
+        loss_sum = torch.zeros((), device=self.device)
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss_sum += self._run_batch(source, targets)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of all ranks, not rank 0's alone
+        mean_loss = loss_sum.item() / len(self.train_data)
+        self.log(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
+                 f"Loss {mean_loss:.6f}")
+        return mean_loss
+
+    def train(self, max_epochs):
+        if self.epochs_run >= max_epochs:
+            self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
+                     f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
+            return
+        start = time.perf_counter()
+        for epoch in range(self.epochs_run, max_epochs):
+            loss = self._run_epoch(epoch)
+            epochs_done = epoch + 1
+            if epoch == self.epochs_run:  # measured once gradients and optimizer state exist
+                self.log(sharded.memory_report(self.model, self.optimizer))
+            if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
+                path = self.checkpoints.start(epochs_done)  # epoch_N.tmp/, once the save before it is complete
+                # Every rank writes its own shards at once (async: copies them, and writes while training goes on).
+                result = self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group)
+                self.checkpoints.saving(result)
+            self.checkpoints.commit(wait=epochs_done == max_epochs)  # async: complete once written
+        synchronize(self.device)  # the GPU runs asynchronously: the clock must wait for it
+        wall = time.perf_counter() - start
+        epochs = max_epochs - self.epochs_run
+        samples = epochs * len(self.train_data.dataset)
+        self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
+
+    def log(self, text):
+        if self.logs:
+            print(text)
+
+
+def load_train_objs(seed, mesh, amp):
+    torch.manual_seed(seed)
+    train_set = regression_dataset(2048, seed=seed)
+    model = BlockMLP(input_size=20)  # the same weights on every rank; each keeps its shard of them
+    # --amp: blocks gathered and computed in bf16; gradients reduced, and weights kept, in fp32.
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = bf16 if amp else MixedPrecisionPolicy()  # by default everything in the weights' dtype
+    for block in model.blocks:  # each block is gathered for its forward and its backward, and freed after
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: input, norm and output layers
+    # On the shards, so its state is sharded too; foreach: one call for all of them, not one each.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    return train_set, model, optimizer
+
+
+def main(args):
+    require_torchrun(__file__)
+    # torchrun numbers the processes: RANK in the job, LOCAL_RANK on this machine (the GPU), here the same.
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this node, each with its own GPU
+    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
+    if accelerator:  # before the process group, so NCCL binds this process to its own GPU
+        torch.accelerator.set_device_index(device.index)
+    # A store of this group's own: torchrun's outlives a restart with the old group's keys (README: restarts).
+    dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
+                            world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
+    mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,))  # one dimension: shard over all ranks
+    dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp)
+    # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
+    train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
+    trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, args.async_save, device)
+    trainer.train(args.total_epochs)
+    if args.export_path:  # the full state, gathered in rank 0's CPU memory (the others get none), as one file
+        full_state = trainer.state(StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full_state, args.export_path)
+    del trainer, model, optimizer  # they hold the process group: free them, so destroy_process_group frees it
+    sharded.release(mesh)  # FSDP's reference cycles, and the mesh that DTensor's caches keep (see there)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = cli.ArgumentParser(description="Step 5: FSDP2 and distributed checkpoints.")
+    cli.add_training_args(parser, snapshot_path="checkpoints")
+    cli.add_distributed_args(parser)
+    parser.add_argument("--amp", action="store_true", help="bf16 compute; fp32 gradient reduction and weights")
+    parser.add_argument("--async_save", action="store_true", help="write checkpoints while training goes on")
+    parser.add_argument("--export_path", help="at the end, write the full state to this file (torch.save)")
+    cli.run(main, cli.training_args(parser))

@@ -1,0 +1,230 @@
+"""fsdp.py, the FSDP2 step, under torchrun: sharded training (each block its own unit, the collectives counted),
+the memory it reports, parity with DDP, and its distributed checkpoints (complete only when marked, resharding
+from 2 ranks to 1 and 3, a SIGKILL in the middle of an async save, then a bitwise resume on two nodes,
+checkpoints of another model or with a shard missing).
+
+Checkpoints are read back in the test process with DCP's own converter (dcp_to_torch_save), not with fsdp.py.
+Launches are few (each costs seconds on a CPU): one 2-rank run serves most tests.
+"""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, collectives_issued,
+                      epoch_lines, finish, free_port, run, start, summary, torchrun_cmd)
+from ddp_common import sharded
+from ddp_common.models import BlockMLP
+
+FLAGS = ("--save_every", "2", "--batch_size", "256")  # 4 steps an epoch at 2 ranks: FSDP on a CPU is slow per step
+EPOCHS = 4
+STEPS = 2048 // (256 * 2)  # per epoch and rank
+DEPTH = len(BlockMLP(input_size=20).blocks)
+MEMORY_LINE = re.compile(r"^Rank (\d+) holds params ([\d,]+) B \| grads ([\d,]+) B \| optimizer state ([\d,]+) B; "
+                         r"DDP would hold ([\d,]+) \| ([\d,]+) \| ([\d,]+) B$", re.MULTILINE)
+
+
+def fsdp(*args, nproc=2):
+    return torchrun_cmd("fsdp.py", *args, nproc=nproc)
+
+
+def full_state(checkpoint, tmp_path):
+    """A DCP checkpoint directory as one dict of full tensors, read by DCP's converter in this process."""
+    out = tmp_path / f"{checkpoint.name}-{len(list(tmp_path.iterdir()))}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=True)
+
+
+def full_bytes():
+    return sum(p.numel() * p.element_size() for p in BlockMLP(input_size=20).parameters())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A 2-rank run of EPOCHS epochs, checkpoints every 2, its collectives counted: its directory and output."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    result = run(fsdp("--total_epochs", EPOCHS, *FLAGS), cwd=directory, timeout=180,
+                 env=clean_env(DDP_EXAMPLES_PROBE_COLLECTIVES=1))
+    return directory, result.stdout + result.stderr
+
+
+def test_fsdp_learns_shards_block_by_block_reports_its_shards_and_saves_complete_checkpoints(uninterrupted):
+    directory, out = uninterrupted
+    lines = epoch_lines(out)
+    assert [line.epoch for line in lines] == list(range(EPOCHS)), "rank 0 alone logs, once an epoch"
+    assert {line.steps for line in lines} == {STEPS}, "each rank trains on its half of the data"
+    assert lines[-1].loss < 0.5 * lines[0].loss, [line.loss for line in lines]
+    assert (summary(out).world_size, summary(out).backend) == (2, "gloo")
+
+    # The collectives of the default group, counted in each rank by the probe (DCP's run in a group of their
+    # own). Each block is an FSDP unit of its own: all-gathered for its forward, again for its backward, and its
+    # gradients reduce-scattered; the root's layers are all-gathered once (the backward starts with them, so
+    # they stay gathered) and reduce-scattered. Hence 3 * DEPTH + 2 a step; and the epoch loss's all-reduce
+    # each epoch, and the memory report's all_gather_object (2 collectives). Sharded as one unit, the model
+    # would issue 2 a step.
+    per_rank = STEPS * EPOCHS * (3 * DEPTH + 2) + EPOCHS + 2
+    assert collectives_issued(out) == {0: per_rank, 1: per_rank}, out[-3000:]
+
+    checkpoints = directory / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004"]
+    newest = checkpoints / "epoch_000004"
+    assert json.loads((newest / sharded.MARKER).read_text()) == {"epochs_run": 4, "world_size": 2}
+    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", sharded.MARKER]
+
+    # Each rank wrote its own shard of every parameter: from the checkpoint's metadata, the bytes of the model
+    # that each rank's file holds.
+    metadata = FileSystemReader(newest).read_metadata()
+    written = {0: 0, 1: 0}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("model."):
+            item = metadata.state_dict_metadata[index.fqn]
+            chunk = next(c for c in item.chunks if list(c.offsets) == list(index.offset))
+            written[int(info.relative_path[2])] += chunk.sizes.numel() * item.properties.dtype.itemsize
+    full = full_bytes()
+    assert written[0] + written[1] == full and abs(written[0] - written[1]) < 0.05 * full, written
+
+    # What the ranks report holding: their shard (FSDP pads each parameter to a multiple of the world size, so
+    # at most one row of each more), against DDP's full copy computed here from the model itself.
+    reports = {int(m[1]): [int(x.replace(",", "")) for x in m.groups()[1:]] for m in MEMORY_LINE.finditer(out)}
+    assert sorted(reports) == [0, 1], out
+    one_row_each = sum(p[0].numel() * p.element_size() for p in BlockMLP(input_size=20).parameters())
+    for rank, (params, grads, optimizer, *ddp) in reports.items():
+        assert ddp == [full, full, full]
+        for held in (params, grads, optimizer):
+            assert written[rank] <= held <= written[rank] + one_row_each, (rank, held, written, one_row_each)
+
+
+def test_fsdp_and_ddp_reach_the_same_weights_in_fp32(uninterrupted, tmp_path):
+    directory, _ = uninterrupted
+    run(torchrun_cmd("tests/support/fsdp_ddp_reference.py", tmp_path / "ddp.pt", EPOCHS, 256), cwd=tmp_path)
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    fsdp_state = full_state(directory / "checkpoints" / "epoch_000004", tmp_path)
+    torch.manual_seed(0)
+    initial = BlockMLP(input_size=20).state_dict()
+    assert ddp["model"].keys() == fsdp_state["model"].keys()
+    for name, weight in ddp["model"].items():
+        assert torch.allclose(fsdp_state["model"][name], weight, rtol=1e-4, atol=1e-6), name
+        assert torch.allclose(fsdp_state["optimizer"]["state"][name]["momentum_buffer"], ddp["momentum"][name],
+                              rtol=1e-3, atol=1e-6), name
+    assert any(not torch.allclose(initial[n], ddp["model"][n]) for n in initial), "the weights must have trained"
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_a_two_rank_checkpoint_loads_at_another_world_size_with_the_full_state(uninterrupted, tmp_path, nproc):
+    directory, _ = uninterrupted
+    shutil.copytree(directory / "checkpoints", tmp_path / "checkpoints")
+    saved = full_state(tmp_path / "checkpoints" / "epoch_000004", tmp_path)
+    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--export_path", "full.pt", nproc=nproc), cwd=tmp_path).stdout
+    assert f"Resuming from checkpoints/epoch_000004 at epoch {EPOCHS}" in out and "Nothing to do" in out
+    assert_bitwise_equal(saved, torch.load(tmp_path / "full.pt", weights_only=True), f"loaded at {nproc} ranks")
+
+
+KILLER = """\
+import os, runpy, signal, sys, threading
+sys.path.insert(0, {repo!r})
+import torch.distributed.checkpoint.filesystem as filesystem
+write_item = filesystem._write_item
+
+def dying_write(transforms, stream, *args):
+    # Rank 1, while it writes its shards of the epoch-4 checkpoint: half a file, then a real SIGKILL.
+    if os.environ["RANK"] == "1" and "epoch_000004.tmp" in stream.name:
+        stream.write(f"half a shard, written by {{threading.current_thread().name}}".encode())
+        stream.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write_item(transforms, stream, *args)
+
+filesystem._write_item = dying_write
+sys.argv[0] = {script!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def two_nodes(*args, cwd):
+    """fsdp.py on two torchrun agents of one rank each, as on two machines sharing `cwd`: their outputs.
+    torchrun sets OMP_NUM_THREADS=1 only for several processes a node; set here as the standalone runs have it,
+    since the number of threads changes the order in which a matmul sums, and so its last bits."""
+    port = free_port()
+    agents = [start([BIN / "torchrun", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_id=fsdp",
+                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", REPO / "fsdp.py", *args,
+                     "--timeout", "60"], cwd, env=clean_env(OMP_NUM_THREADS=1)) for node in (0, 1)]
+    outputs = [finish(agent, 180) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    return outputs
+
+
+def test_a_sigkill_during_an_async_save_leaves_the_previous_checkpoint_and_two_nodes_resume_bitwise(uninterrupted,
+                                                                                                  tmp_path):
+    directory, _ = uninterrupted
+    (tmp_path / "killer.py").write_text(KILLER.format(repo=str(REPO), script=str(REPO / "fsdp.py")))
+    job = start([BIN / "torchrun", "--standalone", "--nproc_per_node=2", tmp_path / "killer.py",
+                 "--total_epochs", "6", *FLAGS, "--async_save"], cwd=tmp_path)
+    out = finish(job, 180)
+    assert job.returncode != 0 and "SIGKILL" in out, out[-3000:]
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004.tmp"], out[-3000:]
+    half = (checkpoints / "epoch_000004.tmp" / "__1_0.distcp").read_bytes()
+    assert half.startswith(b"half a shard, written by AsyncCheckpointExecutor"), "killed in DCP's save thread"
+    assert not (checkpoints / "epoch_000004.tmp" / ".metadata").exists()
+    assert_bitwise_equal(full_state(directory / "checkpoints" / "epoch_000002", tmp_path),
+                         full_state(checkpoints / "epoch_000002", tmp_path), "the previous checkpoint")
+
+    # Started again as two nodes (one rank each) on the directory they share: the same world size, so the run
+    # goes on from epoch 2 exactly, and ends bitwise where the uninterrupted run ended.
+    node0, node1 = two_nodes("--total_epochs", EPOCHS, *FLAGS, "--async_save", cwd=tmp_path)
+    assert "Resuming from checkpoints/epoch_000002 at epoch 2" in node0
+    assert [line.epoch for line in epoch_lines(node0)] == [2, 3] and not epoch_lines(node1), "rank 0 logs"
+    assert summary(node0).world_size == 2
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004"], "the .tmp is gone"
+    assert sorted(p.name for p in (checkpoints / "epoch_000004").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", sharded.MARKER]
+    assert_bitwise_equal(full_state(directory / "checkpoints" / "epoch_000004", tmp_path),
+                         full_state(checkpoints / "epoch_000004", tmp_path), "resumed from the killed run")
+
+
+def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):
+    """One rank with twice the batch: the same global batches as the fp32 run of two, so only rounding differs."""
+    _, fp32_out = uninterrupted
+    out = run(fsdp("--total_epochs", "2", "--save_every", "2", "--batch_size", "512", "--amp", nproc=1),
+              cwd=tmp_path).stdout
+    losses, fp32_losses = [line.loss for line in epoch_lines(out)], [line.loss for line in epoch_lines(fp32_out)]
+    assert losses[1] < losses[0], losses
+    for loss, fp32_loss in zip(losses, fp32_losses):
+        assert 1e-4 < abs(loss - fp32_loss) < 0.05 * fp32_loss, ("bf16 rounding, no more", losses, fp32_losses)
+    state = full_state(tmp_path / "checkpoints" / "epoch_000002", tmp_path)
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}, "weights are kept in fp32"
+
+
+# ---- bad input: one line, no traceback, the checkpoint left as it was ----
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
+    """A checkpoint as fsdp.py writes it (state keyed by parameter name), of the same model narrower."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    other = BlockMLP(input_size=20, width=32)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other(torch.randn(2, 20)).sum().backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(other, optimizer)
+    checkpoint = tmp_path / "checkpoints" / "epoch_000002"
+    save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
+    (checkpoint / sharded.MARKER).write_text(json.dumps({"epochs_run": 2, "world_size": 1}))
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    result = run(fsdp("--total_epochs", "4", *FLAGS, nproc=1), cwd=tmp_path, check=False, timeout=120)
+    assert_one_line_error(result, "checkpoint checkpoints/epoch_000002 does not fit this model",
+                          "model.inp.weight is [32, 20], here [64, 20]", code=1)  # torchrun exits 1
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+
+
+def test_a_checkpoint_with_a_shard_missing_is_refused_in_one_line(uninterrupted, tmp_path):
+    directory, _ = uninterrupted
+    shutil.copytree(directory / "checkpoints", tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "epoch_000004" / "__1_0.distcp").unlink()  # rank 1's file: rank 1 fails to read
+    result = run(fsdp("--total_epochs", "6", *FLAGS), cwd=tmp_path, check=False, timeout=120)
+    assert_one_line_error(result, "checkpoint checkpoints/epoch_000004 is damaged: rank", "could not read it",
+                          "No such file or directory: 'checkpoints/epoch_000004/__1_0.distcp'", code=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_000002", "epoch_000004"]

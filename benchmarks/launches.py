@@ -71,6 +71,9 @@ LAUNCHES = {
     "multigpu_torchrun.py": (torchrun_cmd, "--total_epochs 1 --save_every 1", EPOCH),
     "multinode.py": (torchrun_cmd, "--total_epochs 1 --save_every 1", EPOCH),
     "torchrun_ddp.py": (torchrun_cmd, "--epochs 1 --save_every 1 --snapshot_path {tmp}/snapshot.pt", EPOCH),
+    "torchrun_ddp.py --comm_hook powersgd --zero": (torchrun_cmd, "--epochs 1 --save_every 1 --snapshot_path "
+                                                                  "{tmp}/snapshot.pt --comm_hook powersgd --zero", EPOCH),
+    "fsdp.py": (torchrun_cmd, "--total_epochs 1 --save_every 1 --async_save --snapshot_path {tmp}/checkpoints", EPOCH),
     "ddp.py": (python_cmd, "--backend gloo --epochs 1 --world_size 2", EPOCH),
     "run_with_torchrun.py": (torchrun_cmd, "", TABLE),
     "run_with_python.py": (python_cmd, "--world_size 2", TABLE),

@@ -10,7 +10,7 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from huggingface_hub import constants, get_session
 
 from ddp_common.errors import UsageError, one_line
-from ddp_common.data import MEAN, STD, load_mnist, mnist_pixels  # noqa: F401 (MEAN, STD: for the tests)
+from ddp_common.data import load_mnist, mnist_pixels
 
 HUB_DATASET = "ylecun/mnist"
 GET_THE_DATA = ("give --data_dir DIR with the four MNIST IDX files (train-images-idx3-ubyte[.gz], "

@@ -6,12 +6,14 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from conftest import (assert_bitwise_equal, assert_one_line_error, epoch_lines, load_snapshot, python_cmd, run,
                       summary, torchrun_cmd)
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common.data import classification_splits
-from ddp_common.models import LinearClassifier
+from ddp_common.hf_data import collate, load_mnist_splits
+from ddp_common.models import LinearClassifier, SimpleCNN
 
 SMALL = ("--input_size", "20")
 TRAIN_SIZE, EVAL_SIZE = 4096, 1001  # torchrun_ddp.py's; neither 2 nor 3 divides 1001
@@ -121,10 +123,6 @@ def test_trainer_evaluation_counts_each_image_once(mnist_dir, tmp_path):
     """train.py at 3 ranks on 1001 evaluation images (3 does not divide it): the Trainer's figures are those of
     one process scoring the saved model on all 1001 here, each image once: accuracy as a count, and the loss
     (train.py's own, in place of the Trainer's per-batch average)."""
-    from safetensors.torch import load_file
-
-    from ddp_common.hf_data import collate, load_mnist_splits
-    from ddp_common.models import SimpleCNN
     run(torchrun_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", tmp_path / "out", "--max_train_samples",
                      "384", "--max_eval_samples", str(EVAL_SIZE), "--num_train_epochs", "1", "--disable_tqdm", "True",
                      nproc=3), cwd=tmp_path, timeout=600)

@@ -12,8 +12,9 @@ import shutil
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, save
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, collectives_issued,
                       epoch_lines, finish, free_port, run, start, summary, torchrun_cmd)
@@ -203,8 +204,6 @@ def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
     """A checkpoint as fsdp.py writes it (state keyed by parameter name), of the same model narrower."""
-    from torch.distributed.checkpoint import save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     other = BlockMLP(input_size=20, width=32)
     optimizer = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
     other(torch.randn(2, 20)).sum().backward()

@@ -12,11 +12,12 @@ own whose only interface is loopback: the daemons', the clients' and the jobs' t
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from conftest import free_port
 
 # Debian's packages (bookworm: Slurm 22.05). libpmix-dev: Slurm's PMIx plugin opens libpmix.so, a name
 # only the -dev package installs. libopenmpi3: the cluster's own MPI, built with the same PMIx as Slurm
@@ -48,12 +49,6 @@ def site_libmpi():
     """The cluster's MPI library: Debian's Open MPI, built against the PMIx that Slurm serves."""
     found = sorted(Path("/usr/lib").glob("*/libmpi.so.40"))
     return found[0] if found else None
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class SlurmCluster:
@@ -90,7 +85,7 @@ class SlurmCluster:
         lines = [
             "ClusterName=ddptest",
             "SlurmctldHost=localhost(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
@@ -124,7 +119,7 @@ class SlurmCluster:
             "MinJobAge=5",
         ]
         for node in NODES:
-            lines.append(f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} "
+            lines.append(f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
                          f"CPUs={os.cpu_count()}")
         lines.append(f"PartitionName=test Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
         text = "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import BIN, REPO, assert_bitwise_equal, clean_env, load_snapshot, run, torchrun_cmd
 from slurm_cluster import NODES, SlurmCluster, site_libmpi, unavailable
+from test_launchers import EPOCH_LINE, SUMMARY
 
 WHY_NOT = unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
@@ -30,9 +31,6 @@ ON_CPUS = ("--gpus-per-node=0", f"--time={JOB_MINUTES}")
 # more, gloo's summation order follows DDP's bucket layout, which a fresh process lays out anew (4 ranks
 # resumed after epoch 1 or 2 end equal only to float rounding).
 MULTINODE = {"NPROC_PER_NODE": "1", "EPOCHS": "12", "SAVE_EVERY": "1", "BATCH_SIZE": "32"}
-SUMMARY = re.compile(r"^Summary: epochs (\d+) \| steps (\d+) \| final loss ([0-9.]+) \| .* \| world size (\d+) "
-                     r"\| backend (\w+)$", re.MULTILINE)
-EPOCH_LINE = re.compile(r"^Epoch (\d+) \| Batchsize (\d+) \| Steps (\d+) \| Loss ([0-9.]+)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,155 @@
+"""The Dockerfile built for real with podman, and the image's commands run in containers.
+
+No registry is reachable here, so the base image is made locally: a Debian bookworm made by debootstrap
+from the host's own Debian mirror, with a Python venv on PATH (what the Dockerfile needs of a base:
+`python` and a `pip` that installs into it, and their scripts on PATH, as the official pytorch/pytorch
+images have). It goes in through the Dockerfile's BASE_IMAGE build argument; the default stays the
+official image. The pinned requirements come from a wheelhouse that the host's pip fills beforehand, so
+the build itself runs without a network (--network=none), and so do the containers: torchrun and mpirun
+inside use the container's own loopback.
+
+Everything podman keeps (configuration, images, containers) lives in the tests' temporary directory,
+pointed at by CONTAINERS_CONF and CONTAINERS_STORAGE_CONF; nothing in /etc is changed.
+"""
+import os
+import re
+import resource
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run
+from test_launchers import EPOCH_LINE, SUMMARY
+
+PACKAGES = "podman runc debootstrap"
+IMAGE = "localhost/ddp-examples:test"
+BASE = "localhost/ddp-examples-base:test"
+
+
+def debian_mirror():
+    """The first Debian archive the host's apt uses (deb822 .sources or one-line sources.list)."""
+    sources = sorted(Path("/etc/apt/sources.list.d").glob("*.sources")) + [Path("/etc/apt/sources.list")]
+    for path in sources:
+        text = path.read_text() if path.is_file() else ""
+        for uri in re.findall(r"^URIs:\s*(\S+)", text, re.M) + re.findall(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)", text, re.M):
+            if uri.rstrip("/").endswith("/debian"):
+                return uri
+    return None
+
+
+def unavailable():
+    if os.geteuid() != 0:
+        return "podman builds and runs as root here (no user namespaces for rootless podman)"
+    absent = [name for name in ("podman", "runc", "debootstrap") if shutil.which(name) is None]
+    if absent:
+        return f"{', '.join(absent)} not installed: apt-get install {PACKAGES} (.ci/run does)"
+    if debian_mirror() is None:
+        return "no Debian mirror in /etc/apt/sources.list(.d) for debootstrap to make the base image from"
+    return None
+
+
+WHY_NOT = unavailable()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+
+class Podman:
+    def __init__(self, root):
+        self.root = root
+        nofile, nproc = (min(8192, resource.getrlimit(limit)[1]) for limit in
+                         (resource.RLIMIT_NOFILE, resource.RLIMIT_NPROC))
+        (root / "containers.conf").write_text(
+            "[containers]\n"
+            # podman's default (nofile 1048576) is above what this machine lets runc set.
+            f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
+            "[engine]\n"
+            # crun fails on this kind of host (cgroups in hybrid mode); runc works.
+            'runtime = "runc"\n'
+            'cgroup_manager = "cgroupfs"\n'
+            'events_logger = "file"\n'
+            f'events_logfile_path = "{root}/events.log"\n'
+            f'tmp_dir = "{root}/tmp"\n')
+        (root / "storage.conf").write_text(
+            f'[storage]\ndriver = "overlay"\ngraphroot = "{root}/storage"\nrunroot = "{root}/run"\n')
+        self.env = {**os.environ, "CONTAINERS_CONF": str(root / "containers.conf"),
+                    "CONTAINERS_STORAGE_CONF": str(root / "storage.conf")}
+
+    def __call__(self, *args, cwd=None, timeout=300, check=True):
+        return run(["podman", *args], cwd=cwd or self.root, env=self.env, timeout=timeout, check=check)
+
+    def remove_everything(self):
+        self("rm", "--all", "--force", "--time=0", timeout=120, check=False)
+        self("rmi", "--all", "--force", timeout=300, check=False)
+        leftover = self("ps", "--all", "--quiet", timeout=60, check=False).stdout.split()
+        shutil.rmtree(self.root / "storage", ignore_errors=True)
+        return leftover
+
+
+@pytest.fixture(scope="module")
+def podman(tmp_path_factory):
+    engine = Podman(tmp_path_factory.mktemp("podman"))
+    yield engine
+    assert engine.remove_everything() == [], "containers outlived the tests"
+
+
+@pytest.fixture(scope="module")
+def image(podman):
+    """The Dockerfile built on a locally made Debian base, from a wheelhouse, without a network."""
+    root = podman.root
+    rootfs = root / "rootfs"
+    try:
+        run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", rootfs,
+             debian_mirror()], cwd=root, timeout=900)
+        run(["tar", "-C", rootfs, "-cf", root / "rootfs.tar", "."], cwd=root, timeout=300)
+    finally:
+        shutil.rmtree(rootfs, ignore_errors=True)
+    podman("import", root / "rootfs.tar", "localhost/debian-bookworm:test", timeout=600)
+    (root / "rootfs.tar").unlink()
+    (root / "base").mkdir()
+    (root / "base" / "Containerfile").write_text(
+        "FROM localhost/debian-bookworm:test\n"
+        "RUN python3 -m venv /opt/venv\n"
+        "ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
+    podman("build", "--network=none", "--tag", BASE, root / "base", timeout=600)
+
+    wheels = root / "wheels"
+    run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", wheels,
+         "--requirement", REPO / "requirements.txt"], cwd=root, timeout=900)
+    (root / "pip.conf").write_text("[global]\nno-index = true\nfind-links = /wheels\n")
+    podman("build", "--network=none", "--build-arg", f"BASE_IMAGE={BASE}", "--volume", f"{wheels}:/wheels:ro",
+           "--volume", f"{root / 'pip.conf'}:/etc/pip.conf:ro", "--tag", IMAGE, REPO, timeout=1200)
+    shutil.rmtree(wheels)
+    return IMAGE
+
+
+def container(podman, image, *command, timeout=300):
+    """`docker run --rm` with no network but the container's loopback."""
+    return podman("run", "--rm", "--network=none", image, *command, timeout=timeout)
+
+
+def test_image_holds_the_pinned_torch_and_the_repository_less_what_dockerignore_lists(podman, image):
+    out = container(podman, image, "sh", "-c",
+                    "pwd; ls -A; python -c 'import torch, mpi4py; print(torch.__version__, mpi4py.__version__)'"
+                    ).stdout.split()
+    assert out[0] == "/workspace/ddp-examples"
+    assert {"multigpu_torchrun.py", "run_with_mpirun.py", "ddp_common", "requirements.txt"} <= set(out)
+    assert not {".git", ".ci", ".env", "snapshots"} & set(out), out
+    assert out[-2].split("+")[0] == "2.13.0" and out[-1] == "4.1.2", out
+
+
+def test_default_command_is_the_quick_start_on_two_cpu_processes(podman, image):
+    out = container(podman, image).stdout
+    summary = SUMMARY.search(out)
+    assert summary and summary.group(1, 2, 4, 5) == ("20", "640", "2", "gloo"), out[-3000:]
+    losses = [float(line[3]) for line in EPOCH_LINE.findall(out)]
+    assert len(losses) == 20 and losses[-1] < losses[0] / 10, losses
+    assert "Epoch 19 | Snapshot saved at snapshot.pt" in out
+
+
+def test_mpirun_trains_inside_the_image(podman, image):
+    out = container(podman, image, "mpirun", "-np", "2", "python", "run_with_mpirun.py", "--train",
+                    "--total_epochs", "2", "--save_every", "1").stdout
+    summary = SUMMARY.search(out)
+    assert summary and summary.group(1, 4, 5) == ("2", "2", "gloo"), out[-3000:]
+    assert "Process 1: rank from MPI.COMM_WORLD.Get_rank(), local rank 1 from OMPI_COMM_WORLD_LOCAL_RANK" in out

@@ -1,7 +1,8 @@
 """A real SLURM cluster for the tests: munged, slurmctld and three slurmds (node1 to node3) on 127.0.0.1.
 
-Everything lives under one directory of the cluster's own (configuration, munge key and socket, state,
-spool, logs); nothing in /etc is read or written: the daemons get `-f`, the clients SLURM_CONF. Slurm
+Everything lives under one directory of the cluster's own (configuration, state, spool, logs), but for
+munge's key and socket in a directory of their own under /tmp; nothing in /etc is read or written: the
+daemons get `-f` and munged its paths, the clients SLURM_CONF. Slurm
 22.05's daemons and srun listen on every address, so the cluster runs in a network namespace of its
 own whose only interface is loopback: the daemons', the clients' and the jobs' traffic all stays on
 127.0.0.1 of that namespace.

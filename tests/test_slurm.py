@@ -156,16 +156,17 @@ def test_a_dead_node_ends_the_job_within_the_timeout_and_the_requeued_job_resume
     waiter = cluster.popen(["sbatch", "--wait", *ON_CPUS, "--cpus-per-task=1", "slurm/multinode.sbatch"],
                            cwd=submit_dir, env=env, stdout=PIPE, stderr=PIPE, text=True)
     try:
+        cluster.wait_for(lambda: len(training_nodes(cluster)) == 2 or waiter.poll() is not None, 180,
+                         "training on two nodes")
+        first, second = training_nodes(cluster)
+        survivors = training_processes(cluster, first)
+        # An epoch takes a fraction of a second: the node dies as soon as the first snapshot is there.
         cluster.wait_for(lambda: snapshot.exists() or waiter.poll() is not None, 180, "the first snapshot")
+        cluster.kill_node(second)
+        died = time.monotonic()
         assert waiter.poll() is None, "the job ended before a node could die"
         (job_id,) = cluster.run(["squeue", "--noheader", "--format=%i"], cwd=submit_dir, env=env,
                                 timeout=30).stdout.split()
-        first, second = launched_on(cluster, job_id)
-        survivors = training_processes(cluster, first)
-        assert survivors and training_processes(cluster, second)
-
-        cluster.kill_node(second)
-        died = time.monotonic()
         cluster.wait_for(lambda: not any(map(alive, survivors)), timeout + 30, f"end of {first}'s workers")
         workers_gone = time.monotonic() - died
         cluster.wait_for(lambda: job_state(cluster, job_id) == ("PENDING", "1"), timeout + 60, "the job requeued")
@@ -197,6 +198,10 @@ def test_a_dead_node_ends_the_job_within_the_timeout_and_the_requeued_job_resume
 def job_state(cluster, job_id):
     job = cluster.job(job_id)
     return job["JobState"], job["Restarts"]
+
+
+def training_nodes(cluster):
+    return [node for node in NODES if training_processes(cluster, node)]
 
 
 def training_processes(cluster, node):

@@ -2,8 +2,8 @@
 --world_size processes (mp.spawn), and nn.DataParallel when there are at least 2 GPUs.
 
     cp .env.example .env        # MASTER_ADDR and MASTER_PORT of the DDP rendezvous
-    python ddp.py --backend gloo --epochs 10 --batch_size 128 --input_size 200 --world_size 2
-    python ddp.py --epochs 10 --batch_size 128 --input_size 200          # every GPU, nccl
+    python ddp.py --backend gloo --total_epochs 10 --batch_size 128 --input_size 200 --world_size 2
+    python ddp.py --total_epochs 10 --batch_size 128 --input_size 200    # every GPU, nccl
     MASTER_PORT=29511 python ddp.py --env_file other.env --backend gloo  # the environment wins over the file
 
 Without a .env file it uses 127.0.0.1 and a free port, and says so.
@@ -19,7 +19,6 @@ differs, so the largest weight difference printed at the end is at rounding leve
 import os
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,8 +31,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import classification_dataset
-from ddp_common.distributed import (add_backend_arg, check_backend, check_can_listen, device_for, summary_line,
-                                     synchronize)
+from ddp_common.distributed import check_backend, check_can_listen, share_cpu_cores, summary_line, synchronize
 from ddp_common.envfile import master_from_env_file
 from ddp_common.models import LinearClassifier
 
@@ -74,7 +72,7 @@ def train(model, loader, sampler, optimizer, args, device, label, reduce=None, v
     Returns (wall seconds, samples trained on by all processes together)."""
     synchronize(device)
     start, samples = time.perf_counter(), 0
-    for epoch in range(args.epochs):
+    for epoch in range(args.total_epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
         # loss sum, correct, samples: kept on the device and read once per epoch, not once per step
         stats = torch.zeros(3, device=device)
@@ -115,32 +113,33 @@ def normal_training(args, world_size, device):
 
 
 def ddp_worker(rank, world_size, backend, args, result_path):
-    device = device_for(backend, rank, world_size)
+    # The rank is the mp.spawn index; one machine, so it is also the local rank, which picks the GPU.
+    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
+    if accelerator:  # before the process group, so NCCL binds this process to its own GPU
+        torch.accelerator.set_device_index(device.index)
     # env://: MASTER_ADDR and MASTER_PORT as the parent put them into the environment, which we inherit
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        dataset, model, optimizer = build(args, device)
-        sampler = DistributedSampler(dataset, seed=args.seed)
-        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        wall, samples = train(model, loader, sampler, optimizer, args, device, "DDP", reduce=dist.all_reduce,
-                              verbose=rank == 0)
-        if rank == 0:  # every rank holds the same weights
-            weights = {name: value.cpu() for name, value in snapshot.unwrap(model).state_dict().items()}
-            torch.save({"weights": weights, "wall": wall, "samples": samples,
-                        "steps": args.epochs * len(loader)}, result_path)
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=args.timeout,
+                            device_id=device if accelerator else None)
+    dataset, model, optimizer = build(args, device)
+    sampler = DistributedSampler(dataset, seed=args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    wall, samples = train(model, loader, sampler, optimizer, args, device, "DDP", reduce=dist.all_reduce,
+                          verbose=rank == 0)
+    if rank == 0:  # every rank holds the same weights
+        weights = {name: value.cpu() for name, value in snapshot.unwrap(model).state_dict().items()}
+        torch.save({"weights": weights, "wall": wall, "samples": samples,
+                    "steps": args.total_epochs * len(loader)}, result_path)
+    del model, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    dist.destroy_process_group()
 
 
 def ddp_training(args, world_size, backend):
     with tempfile.TemporaryDirectory() as directory:
         result_path = os.path.join(directory, "ddp_result.pt")
-        try:
-            mp.spawn(cli.run_rank, args=(ddp_worker, world_size, backend, args, result_path), nprocs=world_size)
-        except mp.ProcessExitedException as error:
-            cli.exit_for_spawned_failure(error)
+        share_cpu_cores(world_size)
+        mp.spawn(cli.run_rank, args=(ddp_worker, world_size, backend, args, result_path), nprocs=world_size)
         result = torch.load(result_path, weights_only=True)
     model = LinearClassifier(args.input_size)
     model.load_state_dict(result["weights"])
@@ -158,8 +157,10 @@ def data_parallel_training(args, world_size):
 
 
 def main(args):
-    world_size = args.world_size or torch.cuda.device_count() or 2
-    backend = check_backend(args.backend, ranks_per_node=world_size)
+    world_size = args.world_size or torch.accelerator.device_count() or 2
+    accelerator = torch.accelerator.current_accelerator()
+    device = torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")
+    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
     address, port, sources = master_from_env_file(args.env_file or ".env", must_exist=args.env_file is not None)
     check_can_listen(address, port)
     print(f"MASTER_ADDR={address} ({sources['MASTER_ADDR']})\nMASTER_PORT={port} ({sources['MASTER_PORT']})")
@@ -167,7 +168,6 @@ def main(args):
           f"DDP {args.batch_size} on each of {world_size} ranks")
 
     rows = []
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     normal_model, dataset, wall, samples = normal_training(args, world_size, device)
     rows.append(("normal", wall, samples, *evaluate(normal_model, dataset, device)))
 
@@ -175,7 +175,7 @@ def main(args):
     ddp_loss, ddp_accuracy = evaluate(ddp_model, dataset, torch.device("cpu"))
     rows.append((f"DDP ({world_size} ranks)", result["wall"], result["samples"], ddp_loss, ddp_accuracy))
 
-    gpus = torch.cuda.device_count()
+    gpus, dp_model = torch.cuda.device_count(), None
     if gpus >= 2:
         dp_model, dataset, wall, samples = data_parallel_training(args, world_size)
         rows.append((f"DataParallel ({gpus} GPUs)", wall, samples, *evaluate(dp_model, dataset, device)))
@@ -187,26 +187,30 @@ def main(args):
         print(f"{mode:<22} | {wall:>8.2f}s | {samples / wall:>10.1f} | {loss:>10.6f} | {accuracy:>8.4f}")
     print("(wall time: the training loops only, without process start and rendezvous; "
           "loss and accuracy: final weights on the whole dataset)")
+    if args.weights_dir:
+        os.makedirs(args.weights_dir, exist_ok=True)
+        for name, model in (("normal", normal_model), ("ddp", ddp_model), ("dataparallel", dp_model)):
+            if model is not None:
+                weights = {key: value.cpu() for key, value in model.state_dict().items()}
+                torch.save(weights, os.path.join(args.weights_dir, f"{name}.pt"))
+        print(f"Final weights of each mode written to {args.weights_dir}")
     difference = max((normal_model.state_dict()[name].cpu() - value).abs().max().item()
                      for name, value in ddp_model.state_dict().items())
     print(f"Largest |normal - DDP| weight difference: {difference:.3e}")
-    print(summary_line(args.epochs, result["steps"], ddp_loss, result["samples"], result["wall"], world_size,
+    print(summary_line(args.total_epochs, result["steps"], ddp_loss, result["samples"], result["wall"], world_size,
                        backend))
 
 
 if __name__ == "__main__":
     parser = cli.ArgumentParser(description="Normal training, DDP and DataParallel side by side.")
-    parser.add_argument("--epochs", type=cli.positive_int, default=10, help="epochs to train in every mode")
-    parser.add_argument("--batch_size", type=cli.positive_int, default=128,
-                        help="samples per step and DDP rank (normal training: times --world_size)")
-    parser.add_argument("--input_size", type=cli.positive_int, default=200, help="features per sample")
-    parser.add_argument("--lr", type=cli.positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the data, the model and the shuffling")
+    cli.add_training_args(parser, total_epochs=10, batch_size=128, positional=False, snapshots=False)
+    cli.add_linear_args(parser, input_size=200)
     parser.add_argument("--world_size", type=cli.positive_int,
                         help="DDP processes to start (default: one per GPU, or 2 without GPUs)")
+    parser.add_argument("--weights_dir", help="write each mode's final weights to DIR (normal.pt, ddp.pt, "
+                                              "dataparallel.pt), to inspect or compare them")
     parser.add_argument("--env_file",
                         help="file with MASTER_ADDR and MASTER_PORT (default: .env in the current directory, "
                              "if there is one); variables set in the environment win")
-    add_backend_arg(parser)
-    cli.add_timeout_arg(parser)
-    cli.run(main, parser.parse_args())
+    cli.add_distributed_args(parser)
+    cli.run(main, cli.training_args(parser))

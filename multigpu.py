@@ -1,14 +1,11 @@
-"""Step 2 of the DDP tutorial: one process per GPU, started by the script itself with mp.spawn.
+"""Step 2 of the DDP tutorial: one process per GPU (or --world_size CPU processes), started by mp.spawn.
 
-    python multigpu.py --total_epochs 50 --save_every 10 --batch_size 32                  # every GPU
-    python multigpu.py --total_epochs 50 --save_every 10 --world_size 2 --backend gloo     # 2 CPU processes
+    python multigpu.py 50 10           # every GPU with nccl, or 2 CPU processes with gloo (--backend)
 
-With GPUs, one process per GPU on NCCL; without, --world_size CPU processes on gloo. Each process
-trains on its own shard of the data (DistributedSampler) and DDP averages the gradients, so every
-process holds the same model. Compare with step 1: `diff -u singlegpu.py multigpu.py`.
+Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
+`diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py.
 """
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,30 +17,23 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import regression_dataset
-from ddp_common.distributed import synchronize, add_backend_arg, check_backend, device_for, free_port, summary_line
+from ddp_common.distributed import check_backend, free_port, share_cpu_cores, summary_line, synchronize
 from ddp_common.models import MLP
 
 
-def ddp_setup(rank, world_size, backend, port, timeout):
-    device = device_for(backend, rank, world_size)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout))
-    return device
-
-
 class Trainer:
-    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device, rank):
-        self.rank = rank
+    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device):
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
         self.optimizer = optimizer
         self.save_every = save_every
         self.snapshot_path = snapshot_path
-        self.epochs_run = snapshot.load(snapshot_path, self.model, self.optimizer, device)
-        if self.epochs_run and self.rank == 0:
-            print(f"Resuming from {snapshot_path} at epoch {self.epochs_run}")
-        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.logs = self.saves = dist.get_rank() == 0  # all ranks hold the same model: rank 0 speaks for all
+        self.epochs_run = snapshot.load(snapshot_path, self.model, self.optimizer)
+        if self.epochs_run:
+            self.log(f"Resuming from {snapshot_path} at epoch {self.epochs_run}")
+        self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
@@ -54,75 +44,73 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        # Summed on the device and read once per epoch: a .item() per step would stall every step.
         loss_sum = torch.zeros((), device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             loss_sum += self._run_batch(source, targets)
-        dist.all_reduce(loss_sum)  # SUM: gloo has no AVG
-        mean_loss = loss_sum.item() / (len(self.train_data) * dist.get_world_size())
-        if self.rank == 0:
-            print(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
-                  f"Loss {mean_loss:.6f}")
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of all ranks, not rank 0's alone
+        mean_loss = loss_sum.item() / len(self.train_data)
+        self.log(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
+                 f"Loss {mean_loss:.6f}")
         return mean_loss
 
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
-            if self.rank == 0:
-                print(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
-                      f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
+            self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
+                     f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
             return
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
             epochs_done = epoch + 1
-            # Every rank holds the same weights: one copy on disk is enough.
-            if self.rank == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
+            if self.saves and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
                 snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
-                print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
-        synchronize(self.device)  # CUDA runs asynchronously: the clock must wait for the GPU
+                self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+        synchronize(self.device)  # the GPU runs asynchronously: the clock must wait for it
         wall = time.perf_counter() - start
         epochs = max_epochs - self.epochs_run
-        steps = epochs * len(self.train_data)
         samples = epochs * len(self.train_data.dataset)
-        if self.rank == 0:
-            print(summary_line(epochs, steps, loss, samples, wall, dist.get_world_size(), dist.get_backend()))
+        self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
+
+    def log(self, text):
+        if self.logs:
+            print(text)
 
 
 def load_train_objs(seed):
     torch.manual_seed(seed)
-    train_set = regression_dataset(2048, seed=seed)  # the same data on every rank: same seed
+    train_set = regression_dataset(2048, seed=seed)
     model = MLP(input_size=20)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return train_set, model, optimizer
 
 
-def main(rank, world_size, backend, port, args):
-    device = ddp_setup(rank, world_size, backend, port, args.timeout)
-    try:
-        dataset, model, optimizer = load_train_objs(args.seed)
-        train_data = DataLoader(dataset, batch_size=args.batch_size,
-                                sampler=DistributedSampler(dataset, seed=args.seed))
-        trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, device, rank)
-        trainer.train(args.total_epochs)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(args):
-    world_size = args.world_size or torch.cuda.device_count() or 2
-    backend = check_backend(args.backend, ranks_per_node=world_size)
-    port = free_port()  # a fixed port collides with any other job on the machine
-    try:
-        mp.spawn(cli.run_rank, args=(main, world_size, backend, port, args), nprocs=world_size)
-    except mp.ProcessExitedException as error:
-        cli.exit_for_spawned_failure(error)
+def main(rank, world_size, args, port):
+    # mp.spawn numbers the processes 0..world_size-1: the rank, and on one machine the local rank (the GPU).
+    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
+    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
+    if accelerator:  # before the process group, so NCCL binds this process to its own GPU
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=args.timeout, device_id=device if accelerator else None)
+    dataset, model, optimizer = load_train_objs(args.seed)
+    # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
+    train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
+    trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, device)
+    trainer.train(args.total_epochs)
+    del trainer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     parser = cli.ArgumentParser(description="Step 2: one process per GPU with mp.spawn.")
     cli.add_training_args(parser)
-    parser.add_argument("--world_size", type=cli.positive_int,
-                        help="processes to start (default: one per GPU, or 2 without GPUs)")
-    add_backend_arg(parser)
-    cli.add_timeout_arg(parser)
-    cli.run(spawn, cli.training_args(parser))
+    parser.add_argument("--world_size", type=cli.positive_int, help="processes (default: one per GPU, else 2)")
+    cli.add_distributed_args(parser)
+    args = cli.training_args(parser)
+    world_size = args.world_size or torch.accelerator.device_count() or 2
+    share_cpu_cores(world_size)
+    # world_size processes, each running main(rank, world_size, args, port); a fixed port would collide
+    cli.run(mp.spawn, cli.run_rank, args=(main, world_size, args, free_port()), nprocs=world_size)

@@ -1,22 +1,18 @@
-"""Step 4 of the DDP tutorial: the same training over several machines (nodes).
+"""Step 4 of the DDP tutorial: the same training over several machines (nodes), one torchrun on each.
 
-    # on node 0 (HOST is node 0's address, reachable from node 1) and on node 1, the same command but --node-rank=1:
-    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=gpu --rdzv-id=job42 --rdzv-backend=c10d \
-        --rdzv-endpoint=HOST:29603 multinode.py --total_epochs 50 --save_every 10
-    # two "nodes" on one machine, 2 CPU processes each:
-    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=2 --rdzv-id=job42 --rdzv-backend=c10d \
-        --rdzv-endpoint=127.0.0.1:29603 multinode.py --total_epochs 50 --save_every 10 --snapshot_path node0.pt &
-    torchrun --nnodes=2 --node-rank=1 --nproc_per_node=2 --rdzv-id=job42 --rdzv-backend=c10d \
-        --rdzv-endpoint=127.0.0.1:29603 multinode.py --total_epochs 50 --save_every 10 --snapshot_path node1.pt
+    # on every node, HOST being an address of node 0 that all nodes reach:
+    torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
+        multinode.py 50 10
+    # two "nodes" on one machine, 2 CPU processes each, a snapshot each (README: several machines):
+    torchrun --nnodes=2 --nproc_per_node=2 --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29603 \
+        multinode.py 50 10 --snapshot_path node0.pt     # and the same with node1.pt in a second shell
 
-LOCAL_RANK (0..N-1 on every node) picks the GPU; RANK (0..WORLD_SIZE-1 across nodes) names the process.
-Snapshots: local rank 0 of every node writes one, so each node can resume from its own disk without a
-shared filesystem (on a shared one, the writers replace the file atomically with the same content).
-At start every rank checks that all ranks resume from the same epoch, and refuses to train otherwise.
-Compare with step 3: `diff -u multigpu_torchrun.py multinode.py`.
+Every node keeps a snapshot on its own disk; at start all ranks resume from the newest one any node holds.
+Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
+`diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py.
 """
+import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,45 +23,25 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import regression_dataset
-from ddp_common.distributed import (add_backend_arg, pick_backend_and_device, summary_line, synchronize,
-                                     torchrun_ranks)
+from ddp_common.distributed import check_backend, group_store, require_torchrun, summary_line, synchronize
 from ddp_common.models import MLP
 
 
-def ddp_setup(backend, timeout):
-    rank, local_rank, world_size, local_world_size = torchrun_ranks("multinode.py")
-    backend, device = pick_backend_and_device(backend, local_rank, local_world_size)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))  # reads torchrun's variables
-    return rank, local_rank, device
-
-
 class Trainer:
-    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device, rank, local_rank):
-        self.rank = rank
-        self.local_rank = local_rank
+    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device):
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
         self.optimizer = optimizer
         self.save_every = save_every
         self.snapshot_path = snapshot_path
-        self.epochs_run = snapshot.load(snapshot_path, self.model, self.optimizer, device)
-        self._check_same_resume_epoch()
-        if self.epochs_run and self.local_rank == 0:
-            print(f"[RANK {self.rank}] Resuming from {snapshot_path} at epoch {self.epochs_run}")
-        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    def _check_same_resume_epoch(self):
-        # Nodes resume from their own snapshots; if one saved an epoch another did not, DDP would
-        # silently average gradients of different models. MAX of (e, -e) gives the largest and smallest.
-        epochs = torch.tensor([self.epochs_run, -self.epochs_run], device=self.device)
-        dist.all_reduce(epochs, op=dist.ReduceOp.MAX)
-        newest, oldest = epochs[0].item(), -epochs[1].item()
-        if newest != oldest:
-            raise cli.UsageError(
-                f"ranks disagree on where to resume: snapshots hold {oldest} to {newest} epochs (this rank: "
-                f"{self.epochs_run} from {self.snapshot_path}); copy the newest snapshot to every node, or "
-                "remove them all to start afresh")
+        self.logs = dist.get_rank() == 0  # all ranks hold the same model: rank 0 speaks for all
+        self.saves = int(os.environ["LOCAL_RANK"]) == 0  # but every node keeps a snapshot on its own disk
+        # Each node resumes from its own disk, and all must start from the same state: the newest wins.
+        self.epochs_run, note = snapshot.load_newest(snapshot_path, self.model, self.optimizer)
+        if self.epochs_run:
+            self.log(f"Resuming from {snapshot_path} at epoch {self.epochs_run}" + (f" ({note})" if note else ""))
+        self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
@@ -76,63 +52,72 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        # Summed on the device and read once per epoch: a .item() per step would stall every step.
         loss_sum = torch.zeros((), device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             loss_sum += self._run_batch(source, targets)
-        dist.all_reduce(loss_sum)  # SUM: gloo has no AVG
-        mean_loss = loss_sum.item() / (len(self.train_data) * dist.get_world_size())
-        print(f"[RANK {self.rank}] Epoch {epoch} | Batchsize {self.train_data.batch_size} | "
-              f"Steps {len(self.train_data)} | Loss {mean_loss:.6f}")
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of all ranks, not rank 0's alone
+        mean_loss = loss_sum.item() / len(self.train_data)
+        self.log(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
+                 f"Loss {mean_loss:.6f}")
         return mean_loss
 
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
-            if self.rank == 0:
-                print(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
-                      f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
+            self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
+                     f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
             return
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
             epochs_done = epoch + 1
-            # Every rank holds the same weights: one copy per node, for the node to resume from.
-            if self.local_rank == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
+            if self.saves and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
                 snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
-                print(f"[RANK {self.rank}] Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
-        synchronize(self.device)  # CUDA runs asynchronously: the clock must wait for the GPU
+                self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+        synchronize(self.device)  # the GPU runs asynchronously: the clock must wait for it
         wall = time.perf_counter() - start
         epochs = max_epochs - self.epochs_run
-        steps = epochs * len(self.train_data)
         samples = epochs * len(self.train_data.dataset)
-        if self.rank == 0:
-            print(summary_line(epochs, steps, loss, samples, wall, dist.get_world_size(), dist.get_backend()))
+        self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
+
+    def log(self, text):
+        if self.logs:
+            print(text)
 
 
 def load_train_objs(seed):
     torch.manual_seed(seed)
-    train_set = regression_dataset(2048, seed=seed)  # the same data on every rank: same seed
+    train_set = regression_dataset(2048, seed=seed)
     model = MLP(input_size=20)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return train_set, model, optimizer
 
 
 def main(args):
-    rank, local_rank, device = ddp_setup(args.backend, args.timeout)
-    try:
-        dataset, model, optimizer = load_train_objs(args.seed)
-        train_data = DataLoader(dataset, batch_size=args.batch_size,
-                                sampler=DistributedSampler(dataset, seed=args.seed))
-        trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, device, rank,
-                          local_rank)
-        trainer.train(args.total_epochs)
-    finally:
-        dist.destroy_process_group()
+    require_torchrun(__file__)
+    # torchrun numbers the processes: RANK across all nodes (rank 0 logs), LOCAL_RANK on this node (the GPU).
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this node, each with its own GPU
+    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
+    if accelerator:  # before the process group, so NCCL binds this process to its own GPU
+        torch.accelerator.set_device_index(device.index)
+    # A store of this group's own: torchrun's outlives a restart with the old group's keys (README: restarts).
+    dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
+                            world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
+    dataset, model, optimizer = load_train_objs(args.seed)
+    # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
+    train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
+    trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, device)
+    trainer.train(args.total_epochs)
+    del trainer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     parser = cli.ArgumentParser(description="Step 4: several nodes, one torchrun per node.")
     cli.add_training_args(parser)
-    add_backend_arg(parser)
-    cli.add_timeout_arg(parser)
+    cli.add_distributed_args(parser)
     cli.run(main, cli.training_args(parser))

@@ -1,10 +1,9 @@
-"""Step 1 of the DDP tutorial: train on one device, with snapshots to resume from.
+"""Step 1 of the DDP tutorial: one device (the GPU if there is one), with snapshots to resume from.
 
-    python singlegpu.py --total_epochs 50 --save_every 10 --batch_size 32
-    python singlegpu.py 50 10 --batch_size 32        # the upstream tutorial's positional form
+    python singlegpu.py 50 10          # TOTAL_EPOCHS SAVE_EVERY, or --total_epochs 50 --save_every 10
 
-Trains on the GPU if there is one, else on the CPU. Start it again after a stop and it resumes
-from the snapshot at the next unfinished epoch. Next step: `diff -u singlegpu.py multigpu.py`.
+Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
+`diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py.
 """
 import time
 
@@ -26,9 +25,10 @@ class Trainer:
         self.optimizer = optimizer
         self.save_every = save_every
         self.snapshot_path = snapshot_path
-        self.epochs_run = snapshot.load(snapshot_path, self.model, self.optimizer, device)
+        self.logs = self.saves = True  # the only process: it prints and writes the snapshots
+        self.epochs_run = snapshot.load(snapshot_path, self.model, self.optimizer)
         if self.epochs_run:
-            print(f"Resuming from {snapshot_path} at epoch {self.epochs_run}")
+            self.log(f"Resuming from {snapshot_path} at epoch {self.epochs_run}")
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
@@ -44,28 +44,31 @@ class Trainer:
             source, targets = source.to(self.device), targets.to(self.device)
             loss_sum += self._run_batch(source, targets)
         mean_loss = loss_sum.item() / len(self.train_data)
-        print(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
-              f"Loss {mean_loss:.6f}")
+        self.log(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
+                 f"Loss {mean_loss:.6f}")
         return mean_loss
 
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
-            print(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
-                  f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
+            self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
+                     f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
             return
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
             epochs_done = epoch + 1
-            if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
+            if self.saves and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
                 snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
-                print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
-        synchronize(self.device)  # CUDA runs asynchronously: the clock must wait for the GPU
+                self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+        synchronize(self.device)  # the GPU runs asynchronously: the clock must wait for it
         wall = time.perf_counter() - start
         epochs = max_epochs - self.epochs_run
-        steps = epochs * len(self.train_data)
         samples = epochs * len(self.train_data.dataset)
-        print(summary_line(epochs, steps, loss, samples, wall, world_size=1, backend="none"))
+        self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
+
+    def log(self, text):
+        if self.logs:
+            print(text)
 
 
 def load_train_objs(seed):
@@ -77,7 +80,8 @@ def load_train_objs(seed):
 
 
 def main(args):
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    device = torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")
     dataset, model, optimizer = load_train_objs(args.seed)
     # Shuffling draws from the global RNG, whose state the snapshot keeps: a resumed run sees the same order.
     train_data = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
@@ -87,5 +91,5 @@ def main(args):
 
 if __name__ == "__main__":
     parser = cli.ArgumentParser(description="Step 1: training on one device.")
-    cli.add_training_args(parser, positional=True)
+    cli.add_training_args(parser)
     cli.run(main, cli.training_args(parser))

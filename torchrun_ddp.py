@@ -2,20 +2,19 @@
 gradient accumulation with no_sync, mixed precision, and snapshots to resume from.
 
     torchrun --nproc_per_node=2 --nnodes=1 --node_rank=0 --master_addr=127.0.0.1 --master_port=29500 \
-        torchrun_ddp.py --backend gloo --epochs 5 --batch_size 64 --input_size 100
-    torchrun --nproc_per_node=gpu --nnodes=1 --node_rank=0 --master_addr=127.0.0.1 --master_port=29500 \
-        torchrun_ddp.py --backend nccl --epochs 5 --batch_size 64 --input_size 100
+        torchrun_ddp.py --backend gloo --total_epochs 5 --batch_size 64 --input_size 100
+    torchrun --standalone --nproc_per_node=gpu torchrun_ddp.py --total_epochs 5      # every GPU, nccl
     # the same weights as --batch_size 64 (up to float rounding), with a quarter of the activations in memory:
     torchrun --standalone --nproc_per_node=2 torchrun_ddp.py --batch_size 16 --accumulation_steps 4
-    # bf16 autocast (fp16 with a GradScaler on GPUs without bf16); start again to resume from the snapshot:
-    torchrun --standalone --nproc_per_node=2 torchrun_ddp.py --amp --snapshot_path linear.pt
+    # bf16 autocast (fp16 with a GradScaler on GPUs without bf16); started again, it resumes from linear.pt:
+    torchrun --standalone --nproc_per_node=2 torchrun_ddp.py --amp
 
 Every rank builds the same dataset from --seed and DistributedSampler hands each rank its own shard, so an
 optimizer step sees batch_size * accumulation_steps * world_size samples in all.
 """
 import contextlib
+import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,18 +25,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import classification_dataset
-from ddp_common.distributed import (add_backend_arg, pick_backend_and_device, summary_line, synchronize,
-                                     torchrun_ranks)
+from ddp_common.distributed import check_backend, group_store, require_torchrun, summary_line, synchronize
 from ddp_common.models import LinearClassifier
 
 DATASET_SIZE = 4096
-
-
-def ddp_setup(backend, timeout):
-    rank, local_rank, world_size, local_world_size = torchrun_ranks("torchrun_ddp.py")
-    backend, device = pick_backend_and_device(backend, local_rank, local_world_size)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))  # reads torchrun's variables
-    return rank, device
 
 
 def amp_dtype(device):
@@ -56,17 +47,14 @@ class Trainer:
         self.optimizer = optimizer
         self.accumulation_steps = args.accumulation_steps
         self.snapshot_path = args.snapshot_path
-        self.save_every = args.save_every or 1
+        self.save_every = args.save_every
         self.autocast_dtype = amp_dtype(device) if args.amp else None
         # fp16 gradients underflow without loss scaling; with bf16 or fp32 the scaler is a no-op passthrough.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype == torch.float16)
-        self.epochs_run = 0
-        if self.snapshot_path:
-            self.epochs_run = snapshot.load(self.snapshot_path, self.model, self.optimizer, device,
-                                            scaler=self.scaler)
-            if self.epochs_run and rank == 0:
-                print(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
-        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.epochs_run = snapshot.load(self.snapshot_path, self.model, self.optimizer, scaler=self.scaler)
+        if self.epochs_run and rank == 0:
+            print(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
+        self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
     def _forward(self, source):
         if self.autocast_dtype is None:
@@ -103,14 +91,15 @@ class Trainer:
             stats[0] += loss.detach()
             stats[1] += (logits.argmax(dim=1) == targets).sum()
             stats[2] += len(targets)
-        dist.all_reduce(stats)  # SUM over ranks: gloo has no AVG
+        dist.all_reduce(stats)  # sums of loss, correct and samples over all ranks
         loss_sum, correct, samples = stats.tolist()
         return loss_sum / samples, correct / samples, int(samples)
 
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
             if self.rank == 0:
-                print(f"{self.snapshot_path} already holds {self.epochs_run} epochs; raise --epochs to train on")
+                print(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
+                      f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
             return
         steps_per_epoch = -(-len(self.train_data) // self.accumulation_steps)
         if self.rank == 0:
@@ -125,55 +114,52 @@ class Trainer:
             loss, accuracy, epoch_samples = self._run_epoch(epoch)  # .tolist() has waited for the device
             samples += epoch_samples
             if self.rank == 0:
-                print(f"Epoch {epoch} | loss {loss:.6f} | accuracy {accuracy:.4f} | "
+                print(f"Epoch {epoch} | loss {loss:.6f} | accuracy {accuracy:.4f} | samples {epoch_samples} | "
                       f"{time.perf_counter() - epoch_start:.2f}s")
             epochs_done = epoch + 1
             # Every rank holds the same weights: one copy on disk is enough.
-            if self.snapshot_path and self.rank == 0 and (
-                    epochs_done % self.save_every == 0 or epochs_done == max_epochs):
+            if self.rank == 0 and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
                 snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done, scaler=self.scaler)
                 print(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
         synchronize(self.device)
         wall = time.perf_counter() - start
         epochs = max_epochs - self.epochs_run
         if self.rank == 0:
-            print(summary_line(epochs, epochs * steps_per_epoch, loss, samples, wall, dist.get_world_size(),
-                               dist.get_backend()))
+            print(summary_line(epochs, epochs * steps_per_epoch, loss, samples, wall))
 
 
 def main(args):
-    rank, device = ddp_setup(args.backend, args.timeout)
-    try:
-        dataset = classification_dataset(DATASET_SIZE, args.input_size, seed=args.seed)  # same on every rank
-        torch.manual_seed(args.seed)
-        model = LinearClassifier(args.input_size)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        train_data = DataLoader(dataset, batch_size=args.batch_size,
-                                sampler=DistributedSampler(dataset, seed=args.seed))
-        Trainer(model, train_data, optimizer, args, device, rank).train(args.epochs)
-    finally:
-        dist.destroy_process_group()
+    require_torchrun(__file__)
+    # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
+    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
+    if accelerator:  # before the process group, so NCCL binds this process to its own GPU
+        torch.accelerator.set_device_index(device.index)
+    # A store of this group's own: torchrun's outlives a restart with the old group's keys (README: restarts).
+    dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
+                            world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
+    dataset = classification_dataset(DATASET_SIZE, args.input_size, seed=args.seed)  # the same on every rank
+    torch.manual_seed(args.seed)
+    model = LinearClassifier(args.input_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
+    trainer = Trainer(model, train_data, optimizer, args, device, rank)
+    trainer.train(args.total_epochs)
+    del trainer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     parser = cli.ArgumentParser(description="A linear classifier with DDP under torchrun.")
-    parser.add_argument("--epochs", type=cli.positive_int, default=5, help="epochs to train in all")
-    parser.add_argument("--batch_size", type=cli.positive_int, default=64,
-                        help="samples per micro-batch and rank (a step takes --accumulation_steps of them)")
-    parser.add_argument("--input_size", type=cli.positive_int, default=100, help="features per sample")
-    parser.add_argument("--lr", type=cli.positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the data, the model and the shuffling")
+    cli.add_training_args(parser, total_epochs=5, save_every=1, batch_size=64, positional=False,
+                          snapshot_path="linear.pt")
+    cli.add_linear_args(parser)
     parser.add_argument("--accumulation_steps", type=cli.positive_int, default=1,
                         help="micro-batches whose gradients add up before one all-reduce and optimizer step")
     parser.add_argument("--amp", action="store_true",
                         help="autocast to bf16 (fp16 with loss scaling on GPUs without bf16)")
-    parser.add_argument("--snapshot_path",
-                        help="snapshot to resume from and to write to (default: no snapshots)")
-    parser.add_argument("--save_every", type=cli.positive_int,
-                        help="with --snapshot_path: save every N epochs (default 1); the last is always saved")
-    add_backend_arg(parser)
-    cli.add_timeout_arg(parser)
-    arguments = parser.parse_args()
-    if arguments.save_every and not arguments.snapshot_path:
-        parser.error("--save_every needs --snapshot_path")
-    cli.run(main, arguments)
+    cli.add_distributed_args(parser)
+    cli.run(main, cli.training_args(parser))

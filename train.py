@@ -4,8 +4,8 @@
     torchrun --standalone --nproc_per_node=2 train.py --data_dir DIR        # DDP, 2 processes
     mpirun -np 2 python train.py --data_dir DIR                             # DDP, ranks from MPI
     python train.py --data_dir DIR --num_train_epochs 5 --resume_from_checkpoint last
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
-        train.py --data_dir DIR          # a restarted group resumes from the newest checkpoint
+    torchrun --standalone --nproc_per_node=2 --max_restarts=3 train.py --data_dir DIR
+                                     # a restarted group resumes from the newest checkpoint
     python train.py                                 # MNIST from the Hugging Face Hub (ylecun/mnist)
 
 DIR holds the four MNIST IDX files (plain or .gz, directly or under DIR/MNIST/raw as torchvision
@@ -26,7 +26,8 @@ from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArg
 from transformers.trainer_utils import get_last_checkpoint
 
 from ddp_common import cli, mpi
-from ddp_common.distributed import BACKENDS, check_backend, device_for, summary_line
+from ddp_common.errors import CheckFailed, UsageError, one_line
+from ddp_common.distributed import BACKENDS, check_backend, group_store, summary_line
 from ddp_common.hf_data import collate, load_mnist_splits
 from ddp_common.models import SimpleCNN
 
@@ -46,11 +47,16 @@ class ScriptArguments:
 
 @dataclass
 class MNISTTrainingArguments(TrainingArguments):
-    """The Trainer's arguments, with the --backend and --timeout flags of this repository's other scripts."""
+    """The Trainer's arguments, also under the spellings of this repository's other scripts: --total_epochs
+    (--epochs), --batch_size, --backend and --timeout."""
+    num_train_epochs: float = field(default=3.0, metadata={
+        "aliases": ["--total_epochs", "--epochs"], "help": "epochs to train in all (default 3)"})
+    per_device_train_batch_size: int = field(default=64, metadata={
+        "aliases": ["--batch_size"], "help": "samples per step and rank (default 64)"})
     ddp_backend: str | None = field(default=None, metadata={
         "aliases": ["--backend"], "choices": list(BACKENDS),
-        "help": "process-group backend (default: nccl when CUDA GPUs are visible, else gloo)"})
-    ddp_timeout: int = field(default=300, metadata={
+        "help": "process-group backend (default: the device's, nccl on CUDA GPUs and gloo on the CPU)"})
+    ddp_timeout: float = field(default=300.0, metadata={
         "aliases": ["--timeout"],
         "help": "seconds to wait for the other ranks before giving up (the library default is 30 minutes)"})
 
@@ -64,7 +70,7 @@ def make_parser():
     # The library's defaults suit fine-tuning a pretrained transformer; these suit a small CNN trained
     # from scratch. Each is still a flag: --learning_rate 1e-3, --use_cpu False, ...
     parser.set_defaults(
-        output_dir="trainer_output", num_train_epochs=3, per_device_train_batch_size=64,
+        output_dir="trainer_output",
         # 98% eval accuracy after 3 epochs on 8,000 digits, alone or as 2 DDP ranks (1e-3: 96%).
         learning_rate=3e-3,
         per_device_eval_batch_size=256, eval_strategy="epoch", save_strategy="epoch", logging_steps=50,
@@ -72,7 +78,7 @@ def make_parser():
         # The Trainer assumes True for models that are not PreTrainedModels: an extra graph walk every step.
         ddp_find_unused_parameters=False,
         # Without use_cpu, processes on a machine without GPUs would each train alone, without DDP.
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not torch.accelerator.is_available(),
     )
     return parser
 
@@ -83,14 +89,22 @@ def init_distributed(flags):
     this machine lacks would end in a traceback. Returns the backend, None for a single process."""
     if "WORLD_SIZE" not in os.environ:
         return None
-    local_rank = int(os.environ["LOCAL_RANK"])
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    if not flags["use_cpu"] and not torch.cuda.is_available():
-        raise cli.UsageError("--use_cpu False on a machine without CUDA GPUs: the Trainer would then train "
-                             "each process alone instead of with DDP; leave --use_cpu at its default")
-    backend = check_backend(flags["ddp_backend"] or ("gloo" if flags["use_cpu"] else None), local_world_size)
-    device_for(backend, local_rank, local_world_size)
-    dist.init_process_group(backend, timeout=timedelta(seconds=flags["ddp_timeout"]))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if not flags["use_cpu"] and not torch.accelerator.is_available():
+        raise UsageError("--use_cpu False on a machine without GPUs: the Trainer would then train each process "
+                         "alone instead of with DDP; leave --use_cpu at its default")
+    accelerator = None if flags["use_cpu"] else torch.accelerator.current_accelerator()
+    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
+    backend = check_backend(flags["ddp_backend"] or dist.get_default_backend_for_device(device), device,
+                            local_world_size)
+    if accelerator:  # before the process group, so NCCL binds this process to its own GPU
+        torch.accelerator.set_device_index(device.index)
+    # Under torchrun, a store of this group's own: torchrun's outlives a restart with the old group's keys.
+    dist.init_process_group(backend, store=group_store(rank, world_size, flags["ddp_timeout"]), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=flags["ddp_timeout"]),
+                            device_id=device if accelerator else None)
     flags["ddp_backend"] = backend
     return backend
 
@@ -102,18 +116,18 @@ def newest_checkpoint(output_dir):
 def checkpoint_to_resume(value, output_dir):
     """--resume_from_checkpoint: a checkpoint folder, or last/True for the newest one in output_dir."""
     if value is None:
-        # torchrun --max-restarts starts the same command again after a failure: go on from the newest
+        # torchrun --max_restarts starts the same command again after a failure: go on from the newest
         # checkpoint instead of training from scratch.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         return newest_checkpoint(output_dir) if restarted else None
     if value.lower() in ("last", "true"):
         last = newest_checkpoint(output_dir)
         if last is None:
-            raise cli.UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no checkpoint-N folder "
+            raise UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no checkpoint-N folder "
                                  "to resume from; leave the flag out to start afresh")
         return last
     if not os.path.isfile(os.path.join(value, "trainer_state.json")):
-        raise cli.UsageError(f"--resume_from_checkpoint {value}: not a Trainer checkpoint (no trainer_state.json); "
+        raise UsageError(f"--resume_from_checkpoint {value}: not a Trainer checkpoint (no trainer_state.json); "
                              f"give a checkpoint-N folder or 'last'")
     return value
 
@@ -139,17 +153,17 @@ def check_weights_identical(model, is_rank_zero):
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest.hexdigest())
     if len(set(digests)) > 1:
-        cli.fail(f"the ranks ended with different weights (sha256 {', '.join(d[:12] for d in digests)}); "
-                 "they did not train as one DDP model", code=1)
+        raise CheckFailed(f"the ranks ended with different weights (sha256 {', '.join(d[:12] for d in digests)}); "
+                          "they did not train as one DDP model")
     if is_rank_zero:
         print(f"weights identical on all {len(digests)} ranks (sha256 {digests[0][:12]})", flush=True)
 
 
 def release_process_group(trainer):
-    """Destroy the process group after the DDP wrapper, which holds it too. Whoever drops the group last
-    waits for gloo's worker threads, and one of them may still need the GIL to free a finished
-    collective's tensors: the DDP wrapper, collected at exit, waits holding the GIL and the process hangs
-    now and then (pytorch/pytorch#190489); destroy_process_group waits without it."""
+    """Free the DDP wrapper (the Trainer and accelerate both hold it), then destroy the process group.
+    Whoever drops the group last waits for gloo's worker threads, and one of them may still need the GIL
+    to free a finished collective's tensors: destroy_process_group waits without the GIL, a DDP wrapper
+    freed after it waits holding it, and the process hangs now and then (README: clean exits)."""
     trainer.accelerator.free_memory()
     trainer.model_wrapped = trainer.model
     gc.collect()
@@ -171,7 +185,7 @@ def main():
     try:
         script_args, training_args = parser.parse_dict(flags)
     except ValueError as error:  # flags that contradict each other
-        raise cli.UsageError(cli.one_line(error)) from None
+        raise UsageError(one_line(error)) from None
     checkpoint = checkpoint_to_resume(training_args.resume_from_checkpoint, training_args.output_dir)
 
     train_set, eval_set = splits["train"], splits["test"]

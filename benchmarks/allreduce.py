@@ -17,6 +17,7 @@ Writes allreduce-<backend>-n<world size>.json and .png to --out (default benchma
 """
 import argparse
 import math
+import os
 import queue
 import re
 import socket
@@ -24,7 +25,6 @@ import statistics
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +34,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import report  # noqa: E402
 from ddp_common import cli, mpi  # noqa: E402
-from ddp_common.distributed import (add_backend_arg, pick_backend_and_device, synchronize,  # noqa: E402
-                                     torchrun_ranks)
+from ddp_common.errors import UsageError  # noqa: E402
+from ddp_common.distributed import check_backend, group_store, require_torchrun, synchronize  # noqa: E402
 
 ELEMENT = torch.tensor([], dtype=torch.float32).element_size()
 
@@ -98,14 +98,8 @@ class Timer:
         self.max_iterations = max_iterations
         self.budget_s = budget_s
 
-    def _slowest(self, values):
-        """Element-wise max over ranks: a collective is as slow as its slowest rank."""
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
-
     def _batch(self, call, repeat):
-        dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        dist.barrier(device_ids=[self.device.index] if self.device.type != "cpu" else None)
         start = time.perf_counter()
         for _ in range(repeat):
             call()
@@ -113,12 +107,12 @@ class Timer:
         return (time.perf_counter() - start) / repeat
 
     def median_seconds(self, call):
-        estimate = self._slowest([self._batch(call, max(1, self.warmup))])[0]
+        estimate = report.slowest([self._batch(call, max(1, self.warmup))], self.device)[0]
         # Calls far below a millisecond are timed in back-to-back batches: a barrier before each single call
         # would add the ranks' exit skew to what is measured.
         repeat = max(1, min(100, int(1e-3 / max(estimate, 1e-9))))
         iterations = max(3, min(self.max_iterations, int(self.budget_s / max(estimate * repeat, 1e-9))))
-        return statistics.median(self._slowest([self._batch(call, repeat) for _ in range(iterations)]))
+        return statistics.median(report.slowest([self._batch(call, repeat) for _ in range(iterations)], self.device))
 
 
 def measure(sizes, timer, device, comm):
@@ -190,13 +184,13 @@ def plot(rows, path, title):
 
 def sizes_between(low, high):
     if low > high:
-        raise cli.UsageError(f"--min_size {low} is above --max_size {high}")
+        raise UsageError(f"--min_size {low} is above --max_size {high}")
     return [low * 2 ** i for i in range(int(math.log2(high // low)) + 1)]
 
 
 def main(args):
     if args.quick:
-        args.max_size, args.iters, args.warmup, args.seconds = min(args.max_size, 64 * 2 ** 10), 5, 2, 0.05
+        args.max_size, args.repeats, args.warmup, args.seconds = min(args.max_size, 64 * 2 ** 10), 5, 2, 0.05
     sizes = sizes_between(args.min_size, args.max_size)
     comm = None
     if mpi.launched_by_mpirun():
@@ -206,32 +200,40 @@ def main(args):
         comm = MPI.COMM_WORLD
     else:
         launcher = "torchrun"
-    rank, local_rank, world_size, local_world_size = torchrun_ranks("benchmarks/allreduce.py")
-    backend, device = pick_backend_and_device(args.backend, local_rank, local_world_size)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    try:
-        machine = report.machine(backend, world_size)  # the load average before the run loads the machine
-        rows = measure(sizes, Timer(device, args.warmup, args.iters, args.seconds), device, comm)
-        if rank != 0:
-            return
-        machine["load_average_after"] = report.machine()["load_average_1_5_15min"]
-        print(report.machine_line(machine))
-        print(f"all_reduce (SUM, float32) | backend {backend} | world size {world_size} | launcher {launcher} | "
-              f"device {device} | threads per rank {torch.get_num_threads()}")
-        print_table(rows, world_size)
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"allreduce-{backend}-n{world_size}"
-        result = {"benchmark": "allreduce", "machine": machine, "torch": torch.__version__, "backend": backend,
-                  "world_size": world_size, "launcher": launcher, "device": str(device), "dtype": "float32",
-                  "op": "SUM", "threads_per_rank": torch.get_num_threads(), "bus_factor": bus_factor(world_size),
-                  "quick": args.quick, "results": rows}
-        print(f"Wrote {report.write_json(stem.with_suffix('.json'), result)}")
-        plot(rows, stem.with_suffix(".png"),
-             f"all_reduce, {backend}, {world_size} ranks, {launcher} | {machine['hostname']}: "
-             f"{machine['cpu_model']}, {machine['cpu_cores']} cores | torch {torch.__version__}")
-        print(f"Wrote {stem.with_suffix('.png')}")
-    finally:
-        dist.destroy_process_group()
+    require_torchrun(__file__)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    accelerator = torch.accelerator.current_accelerator()
+    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
+    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
+    if accelerator:
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
+                            world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
+    machine = report.machine(backend, world_size)  # the load average before the run loads the machine
+    rows = measure(sizes, Timer(device, args.warmup, args.repeats, args.seconds), device, comm)
+    if rank == 0:
+        report_results(args, rows, machine, backend, world_size, device, launcher)
+    dist.destroy_process_group()
+
+
+def report_results(args, rows, machine, backend, world_size, device, launcher):
+    machine["load_average_after"] = report.machine()["load_average_1_5_15min"]
+    print(report.machine_line(machine))
+    print(f"all_reduce (SUM, float32) | backend {backend} | world size {world_size} | launcher {launcher} | "
+          f"device {device} | threads per rank {torch.get_num_threads()}")
+    print_table(rows, world_size)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"allreduce-{backend}-n{world_size}"
+    result = {"benchmark": "allreduce", "machine": machine, "torch": torch.__version__, "backend": backend,
+              "world_size": world_size, "launcher": launcher, "device": str(device), "dtype": "float32",
+              "op": "SUM", "threads_per_rank": torch.get_num_threads(), "bus_factor": bus_factor(world_size),
+              "quick": args.quick, "results": rows}
+    print(f"Wrote {report.write_json(stem.with_suffix('.json'), result)}")
+    plot(rows, stem.with_suffix(".png"),
+         f"all_reduce, {backend}, {world_size} ranks, {launcher} | {machine['hostname']}: "
+         f"{machine['cpu_model']}, {machine['cpu_cores']} cores | torch {torch.__version__}")
+    print(f"Wrote {stem.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
@@ -240,14 +242,13 @@ if __name__ == "__main__":
     parser.add_argument("--min_size", type=byte_size, default=2 ** 10, help="smallest message (default 1K)")
     parser.add_argument("--max_size", type=byte_size, default=2 ** 28,
                         help="largest message; sizes double from --min_size (default 256M)")
-    parser.add_argument("--iters", type=cli.positive_int, default=20,
-                        help="most timed iterations per size; the median is reported (default 20)")
+    parser.add_argument("--repeats", "--iters", type=cli.positive_int, default=20,
+                        help="most timed repeats per size; the median is reported (default 20)")
     parser.add_argument("--warmup", type=cli.positive_int, default=5, help="untimed calls per size first")
     parser.add_argument("--seconds", type=cli.positive_float, default=1.0,
                         help="time budget per measurement; at least 3 iterations are timed (default 1.0)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: sizes up to 64K, few iterations (for tests, not for numbers)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON and PNG")
-    add_backend_arg(parser)
-    cli.add_timeout_arg(parser)
+    cli.add_distributed_args(parser)
     cli.run(main, parser.parse_args())

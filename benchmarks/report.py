@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results"
@@ -50,6 +51,14 @@ def machine_line(info):
     gpus = f" | GPUs {', '.join(info['gpus'])}" if info["gpus"] else ""
     return (f"Machine: {info['hostname']} | {info['cpu_model']} | {info['cpu_cores_usable']} usable of "
             f"{info['cpu_cores']} cores | load average {load} | torch {info['torch']}{gpus}")
+
+
+def slowest(values, device):
+    """Element-wise max over the ranks of a process group: a collective, or a timed loop that all ranks run
+    together, is as slow as its slowest rank. Every rank must call it."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 def table(headers, rows):

@@ -20,14 +20,12 @@ syncs stay out of the figures; --profile measures them, and DDP's bucket setting
 Targets (SimpleCNN, batch 64 per rank, 1 thread per rank): ddp >= 0.9 x ceiling at 2 ranks, and at
 most 5% DDP overhead at 1 rank. Writes scaling.json and scaling.png (profile.json with --profile) to --out.
 """
-import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,7 +39,7 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import report  # noqa: E402
 from ddp_common import cli  # noqa: E402
-from ddp_common.distributed import add_backend_arg, check_backend, device_for, free_port, synchronize  # noqa: E402
+from ddp_common.distributed import check_backend, free_port, synchronize  # noqa: E402
 from ddp_common.models import MLP, LinearClassifier, SimpleCNN  # noqa: E402
 
 # name: (model, per-rank batch, one sample's shape, labels (classes) or regression targets (None), description)
@@ -95,7 +93,7 @@ class Case:
         torch.manual_seed(0)
         model = MODELS[self.model_name][0]().to(device)
         if self.mode == "ddp":
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **self.ddp_kwargs)
+            model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None, **self.ddp_kwargs)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         batch = MODELS[self.model_name][1]
         dataset = make_batches(self.model_name, 8 * world_size, device, seed=0)
@@ -122,58 +120,48 @@ class Case:
                     break
 
 
-def slowest(seconds, device):
-    tensor = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
-
-
 def timed(case, state, steps, device):
     dist.barrier()  # every rank starts together, so the independent loops really run at the same time
     start = time.perf_counter()
     case.run(*state, steps)
     synchronize(device)
-    return slowest(time.perf_counter() - start, device)
+    return report.slowest([time.perf_counter() - start], device)[0]
 
 
 def worker(rank, world_size, backend, port, cases, args, result_path):
-    device = device_for(backend, rank, world_size)
+    accelerator = torch.accelerator.current_accelerator()
+    device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
+    if accelerator:
+        torch.accelerator.set_device_index(device.index)
     torch.set_num_threads(args.threads)  # the same per rank at every world size, so only N changes
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
-    states = {}
-    try:
-        states.update({name: case.setup(device, rank, world_size) for name, case in cases.items()})
-        steps = {}
-        for name, case in cases.items():
-            # Warm-up, and a step count that fills --seconds at this world size on this machine.
-            estimate = timed(case, states[name], args.warmup, device) / args.warmup
-            steps[name] = max(3, min(100_000, int(args.seconds / max(estimate, 1e-9))))
-        throughput = {name: [] for name in cases}
-        for _ in range(args.repeats):
-            for name, case in cases.items():  # interleaved: a slow spell of the machine hits every case alike
-                seconds = timed(case, states[name], steps[name], device)
-                throughput[name].append(world_size * MODELS[case.model_name][1] * steps[name] / seconds)
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump({"steps": steps, "samples_per_s": throughput}, f)
-    finally:
-        # The DDP models hold the process group: freed after it (at exit), gloo's threads can abort the
-        # process ("terminate called without an active exception"), so free them first.
-        states.clear()
-        gc.collect()
-        dist.destroy_process_group()
+                            timeout=args.timeout, device_id=device if accelerator else None)
+    states = {name: case.setup(device, rank, world_size) for name, case in cases.items()}
+    steps = {}
+    for name, case in cases.items():
+        # Warm-up, and a step count that fills --seconds at this world size on this machine.
+        estimate = timed(case, states[name], args.warmup, device) / args.warmup
+        steps[name] = max(3, min(100_000, int(args.seconds / max(estimate, 1e-9))))
+    throughput = {name: [] for name in cases}
+    for _ in range(args.repeats):
+        for name, case in cases.items():  # interleaved: a slow spell of the machine hits every case alike
+            seconds = timed(case, states[name], steps[name], device)
+            throughput[name].append(world_size * MODELS[case.model_name][1] * steps[name] / seconds)
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"steps": steps, "samples_per_s": throughput}, f)
+    del states  # the DDP models hold the process group: free them first, so destroy_process_group frees it
+    dist.destroy_process_group()
 
 
 def spawn(world_size, cases, args):
-    backend = check_backend(args.backend, ranks_per_node=world_size)
+    accelerator = torch.accelerator.current_accelerator()
+    device = torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")  # the ranks' kind
+    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        try:
-            mp.spawn(cli.run_rank, args=(worker, world_size, backend, free_port(), cases, args, result_path),
-                     nprocs=world_size)
-        except mp.ProcessExitedException as error:
-            cli.exit_for_spawned_failure(error)
+        mp.spawn(cli.run_rank, args=(worker, world_size, backend, free_port(), cases, args, result_path),
+                 nprocs=world_size)
         with open(result_path) as f:
             return backend, json.load(f)
 
@@ -348,6 +336,5 @@ if __name__ == "__main__":
                         help="instead: time DataLoader, per-step loss.item() and DDP bucket settings one by one")
     parser.add_argument("--quick", action="store_true", help="1 repeat of 0.1 s: a smoke run, not numbers")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON and PNG")
-    add_backend_arg(parser)
-    cli.add_timeout_arg(parser)
+    cli.add_distributed_args(parser)
     cli.run(main, parser.parse_args())

@@ -13,3 +13,12 @@
 The lesson of each script (how its launcher starts processes, how DDP wraps the model,
 how the training loop runs) stays in the script itself.
 """
+
+# Imported here, before any script creates its process group: torch.distributed.nn gives its functions
+# `group=group.WORLD` as default arguments. DDP's constructor imports it lazily, and imported then those
+# defaults hold the live group for good: destroy_process_group() can no longer free it, gloo's worker
+# threads run on into interpreter shutdown, and one of them finishing a collective there takes the GIL,
+# is ended by Python with pthread_exit and aborts the process ("terminate called without an active
+# exception", SIGABRT) after the run has finished. Imported first, the defaults are None.
+# (Found with a core dump: README, "Clean exits"; benchmarks/clean_exit.py counts them.)
+import torch.distributed.nn  # noqa: E402,F401

@@ -1,16 +1,16 @@
-"""Command-line plumbing: flag types, the tutorial's common flags, and one-line errors."""
+"""Command-line plumbing: flag types, the tutorial's common flags, and the entry point that turns an error
+into one line."""
 import argparse
+import os
 import sys
+import time
+import traceback
+from datetime import timedelta
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-
-class UsageError(Exception):
-    """A problem the user can fix (a flag, a file, the launcher). Printed as one line, exit code 2."""
-
-
-class PeerLostError(Exception):
-    """Another rank (or node) went away. Printed as one line, exit code 1."""
+from ddp_common.errors import CheckFailed, PeerLostError, UsageError, one_line
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -50,55 +50,108 @@ def port_number(text):
     return value
 
 
-def add_training_args(parser, positional=False):
-    """The flags of the tutorial scripts. `positional` also accepts the upstream form `50 10`."""
+def add_training_args(parser, total_epochs=50, save_every=10, batch_size=32, positional=True, snapshots=True,
+                      snapshot_path="snapshot.pt"):
+    """The flags every training script shares, one spelling each. `positional` also accepts the upstream
+    tutorial's form `TOTAL_EPOCHS SAVE_EVERY`; --epochs is another name for --total_epochs."""
     if positional:
         parser.add_argument("total_epochs_arg", nargs="?", type=positive_int, metavar="total_epochs",
                             help="same as --total_epochs (the upstream tutorial's positional form)")
-        parser.add_argument("save_every_arg", nargs="?", type=positive_int, metavar="save_every",
-                            help="same as --save_every")
-    parser.add_argument("--total_epochs", type=positive_int, help="epochs to train in all (default 50)")
-    parser.add_argument("--save_every", type=positive_int,
-                        help="write a snapshot every N epochs; the last epoch is always saved (default 10)")
-    parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step and rank")
-    parser.add_argument("--snapshot_path", default="snapshot.pt",
-                        help="snapshot to resume from and to write to (a missing file means a fresh start)")
+        if snapshots:
+            parser.add_argument("save_every_arg", nargs="?", type=positive_int, metavar="save_every",
+                                help="same as --save_every")
+    parser.add_argument("--total_epochs", "--epochs", type=positive_int,
+                        help=f"epochs to train in all (default {total_epochs})")
+    parser.add_argument("--batch_size", type=positive_int, default=batch_size,
+                        help=f"samples per step and rank (default {batch_size})")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data, the model and the shuffling")
+    if snapshots:
+        parser.add_argument("--save_every", type=positive_int,
+                            help=f"write a snapshot every N epochs; the last epoch is always saved (default {save_every})")
+        parser.add_argument("--snapshot_path", default=snapshot_path,
+                            help=f"snapshot to resume from and to write to; a missing file means a fresh start "
+                                 f"(default {snapshot_path})")
+    parser.set_defaults(default_total_epochs=total_epochs, default_save_every=save_every)
 
 
 def training_args(parser, argv=None):
-    """Parse, folding the positional form of `add_training_args(positional=True)` into the flags."""
+    """Parse, folding the positional form of add_training_args into the flags and filling the defaults."""
     args = parser.parse_args(argv)
-    for name, default in (("total_epochs", 50), ("save_every", 10)):
-        positional = getattr(args, name + "_arg", None)
-        flag = getattr(args, name)
+    for name in ("total_epochs", "save_every"):
+        if not hasattr(args, name):
+            continue
+        positional, flag = getattr(args, name + "_arg", None), getattr(args, name)
         if positional is not None and flag is not None and positional != flag:
             parser.error(f"{name} given twice, as {positional} and as --{name} {flag}")
-        setattr(args, name, flag or positional or default)
+        setattr(args, name, flag or positional or getattr(args, "default_" + name))
     return args
 
 
+def add_distributed_args(parser):
+    """--backend and --timeout, the flags of every script that starts a process group."""
+    from ddp_common.distributed import add_backend_arg  # the distributed module imports this one
+    add_backend_arg(parser)
+    add_timeout_arg(parser)
+
+
+def seconds(text):
+    """A positive number of seconds, as the timedelta torch.distributed takes."""
+    return timedelta(seconds=positive_float(text))
+
+
 def add_timeout_arg(parser, default=300):
-    parser.add_argument("--timeout", type=positive_float, default=default,
-                        help=f"seconds to wait for the other ranks before giving up (default {default}; "
+    parser.add_argument("--timeout", type=seconds, default=timedelta(seconds=default),
+                        help=f"seconds to wait for the other ranks before giving up (default {default:g}; "
                              "the library default is 30 minutes)")
 
 
-def run(main, *args):
-    """Call main(*args); turn the errors a user can act on into one line on stderr and an exit code."""
+def add_linear_args(parser, input_size=100):
+    """The flags of the linear classifier (torchrun_ddp.py, ddp.py) besides add_training_args'."""
+    parser.add_argument("--input_size", type=positive_int, default=input_size,
+                        help=f"features per sample (default {input_size})")
+    parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
+
+
+SPEAKER_WAIT_S = 5.0
+
+
+def run(main, *args, **kwargs):
+    """The entry point of every script: call main(*args, **kwargs) and return what it returns. An error the user can
+    act on becomes one line on stderr and an exit code (2: usage, 1: lost peers or a failed check, 130:
+    interrupted); anything else is a bug and keeps its traceback.
+
+    After an error the process ends at once (os._exit), without Python's shutdown: a rank that lost its
+    peers may still have collectives in flight, and tearing the process group down then can hang or abort
+    the process (README: clean exits). Snapshots are written atomically, so nothing finished is lost."""
     try:
-        return main(*args)
+        return main(*args, **kwargs)
     except UsageError as error:
-        fail(error, code=2)
-    except PeerLostError as error:
-        fail(error, code=1)
+        # Flags, files and launchers are the same for every process of a node, so each would print the same
+        # line: the node's first process speaks for all of them. The others wait for it to exit, which makes
+        # the launcher stop them, and speak only if that does not come (the error was theirs alone).
+        if local_rank() != 0:
+            time.sleep(SPEAKER_WAIT_S)
+        exit_now(2, error)
+    except (PeerLostError, CheckFailed) as error:
+        exit_now(1, error)
+    except mp.ProcessExitedException as error:  # mp.spawn: one of our processes failed
+        if error.exit_code is not None and error.exit_code > 0:
+            exit_now(error.exit_code)  # it printed its own reason
+        # Killed by a signal, it could not say why: say which one it was.
+        exit_now(1, f"process {error.error_index} (pid {error.error_pid}) was killed by "
+                    f"{error.signal_name or 'a signal'}; mp.spawn stopped the others. Start again to resume from "
+                    "the last snapshot")
     except (dist.DistError, RuntimeError) as error:
         if not isinstance(error, dist.DistError) and not is_transport_error(error):
-            raise
-        fail(f"lost contact with the other ranks ({one_line(error)}); "
-             "check that every rank is alive and reachable, then start again (snapshots resume the run)", code=1)
+            traceback.print_exc()
+            exit_now(1)
+        exit_now(1, f"lost contact with the other ranks ({one_line(error)}); check that every rank is alive and "
+                    "reachable, then start again (snapshots resume the run)")
     except KeyboardInterrupt:
-        fail("interrupted", code=130)
+        exit_now(130, "interrupted")
+    except Exception:
+        traceback.print_exc()
+        exit_now(1)
 
 
 def is_transport_error(error):
@@ -109,24 +162,29 @@ def is_transport_error(error):
 
 def run_rank(rank, main, *args):
     """`run` for mp.spawn, which passes the process index first: mp.spawn(cli.run_rank, args=(main, ...))."""
+    global _spawn_index
+    _spawn_index = rank
     return run(main, rank, *args)
 
 
-def exit_for_spawned_failure(error):
-    """Turn mp.spawn's ProcessExitedException into an exit code. A process that exited with a code has
-    printed its own reason; one killed by a signal could not, so say which one it was."""
-    if error.exit_code is not None and error.exit_code > 0:
-        sys.exit(error.exit_code)
-    fail(f"process {error.error_index} (pid {error.error_pid}) was killed by {error.signal_name or 'a signal'}; "
-         "mp.spawn stopped the others. Start again to resume from the last snapshot", code=1)
+_spawn_index = None
 
 
-def fail(message, code):
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
+def local_rank():
+    """This process's number on its node: the mp.spawn index, LOCAL_RANK under torchrun, the MPI
+    implementation's variable under mpirun; 0 for a process that runs alone."""
+    from ddp_common.mpi import LOCAL_RANK_VARIABLES
+    if _spawn_index is not None:
+        return _spawn_index
+    for name in ("LOCAL_RANK", *LOCAL_RANK_VARIABLES):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
 
 
-def one_line(error, limit=300):
-    """An exception's message folded onto one line and cut to a readable length."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= limit else text[:limit] + "..."
+def exit_now(code, message=None):
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

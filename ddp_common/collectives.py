@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddp_common import cli
+from ddp_common.errors import CheckFailed
 
 
 class Check(NamedTuple):
@@ -93,7 +93,7 @@ def run_all(device, store=None):
 
 def report(checks, device):
     """Agree with the other ranks on which checks failed where, print the table on rank 0, and stop a rank
-    that got a wrong value with one line naming the collective and the rank. Every rank must call it."""
+    that got a wrong value (CheckFailed, naming the collective and the rank). Every rank must call it."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     wrong = torch.zeros(world_size, len(checks), dtype=torch.int64, device=device)
     wrong[rank] = torch.tensor([not check.ok for check in checks], dtype=torch.int64, device=device)
@@ -110,5 +110,5 @@ def report(checks, device):
         say(f"Collectives on {world_size} rank(s), as rank 0 saw them:\n" + "\n".join(lines))
     failed = [check for check in checks if not check.ok]
     if failed:
-        cli.fail(f"rank {rank} got wrong results: " + "; ".join(
-            f"{check.name} gave {check.got}, expected {check.expected}" for check in failed), code=1)
+        raise CheckFailed(f"rank {rank} got wrong results: " + "; ".join(
+            f"{check.name} gave {check.got}, expected {check.expected}" for check in failed))

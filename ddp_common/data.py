@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ddp_common.cli import UsageError
+from ddp_common.errors import UsageError
 
 
 def regression_dataset(size=2048, input_size=20, seed=0, noise=0.05):

@@ -1,64 +1,61 @@
-"""Backend and device choice, ports, launcher variables and the closing summary line."""
+"""Backend checks, ports, torchrun's store and launcher variables, and the closing summary line."""
 import os
 import socket
-import sys
+import time
+import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ddp_common.cli import UsageError
+from ddp_common.errors import PeerLostError, UsageError
 
 BACKENDS = ("nccl", "gloo", "mpi")
 
 
 def add_backend_arg(parser):
     parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help="process-group backend (default: nccl when CUDA GPUs are visible, else gloo)")
+                        help="process-group backend (default: the device's, nccl on CUDA GPUs and gloo on the CPU)")
 
 
-def check_backend(backend, ranks_per_node):
-    """Return the backend to use (None: the default for this machine), or stop with what to do instead."""
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend not in BACKENDS:
-        raise UsageError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-    if backend == "nccl":
-        if not torch.cuda.is_available() or not dist.is_nccl_available():
-            raise UsageError("backend nccl needs CUDA GPUs and a CUDA build of torch, and this machine has "
-                             "neither visible; use --backend gloo to run on the CPU")
-        gpus = torch.cuda.device_count()
-        if ranks_per_node > gpus:
-            raise UsageError(f"{ranks_per_node} ranks on this node but only {gpus} GPU(s) for nccl; start at "
-                             f"most {gpus} per node (torchrun --nproc_per_node={gpus}) or use --backend gloo")
-    elif backend == "mpi" and not dist.is_mpi_available():
+def check_backend(backend, device, local_world_size):
+    """`backend` if this machine can run it, one process per device, with `local_world_size` processes on
+    this node; otherwise a UsageError saying what to do instead."""
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise UsageError("backend nccl needs CUDA GPUs and a CUDA build of torch, and this machine has neither "
+                         "visible; use --backend gloo to run on the CPU")
+    if backend == "mpi" and not dist.is_mpi_available():
         raise UsageError("this torch build has no MPI backend (torch.distributed.is_mpi_available() is False); "
                          "under mpirun use --backend gloo on CPUs or --backend nccl on GPUs")
-    elif backend == "gloo" and not dist.is_gloo_available():
+    if backend == "gloo" and not dist.is_gloo_available():
         raise UsageError("this torch build has no gloo backend; use --backend nccl on GPUs")
+    devices = torch.accelerator.device_count()
+    if device.type != "cpu" and local_world_size > devices:
+        raise UsageError(f"{local_world_size} ranks on this node but only {devices} {device.type} device(s), one "
+                         f"per rank; start at most {devices} per node (torchrun --nproc_per_node={devices}), or "
+                         "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on the CPU")
     return backend
 
 
-def device_for(backend, local_rank, ranks_per_node):
-    """The device of this rank. With CUDA, sets it as the current device: call before init_process_group,
-    so NCCL binds each process to its own GPU instead of piling every rank onto GPU 0."""
-    if torch.cuda.is_available() and (backend == "nccl" or ranks_per_node <= torch.cuda.device_count()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Each process would otherwise start one thread per core: N ranks on C cores then fight over
-        # them and DDP runs several times slower. torchrun sets OMP_NUM_THREADS itself; mp.spawn doesn't.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_per_node))
-    return torch.device("cpu")
+def share_cpu_cores(processes):
+    """Before starting `processes` CPU processes on this machine: one thread per core each, as torchrun sets
+    it. Otherwise every process starts a thread per core, N processes fight over the cores and DDP runs
+    several times slower. A value the user set wins."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // processes)))
 
 
-def pick_backend_and_device(backend, local_rank, ranks_per_node):
-    backend = check_backend(backend, ranks_per_node)
-    return backend, device_for(backend, local_rank, ranks_per_node)
+def require_torchrun(script):
+    """Stop with the command to run when torchrun did not start this process (`script`: its __file__)."""
+    script = os.path.basename(script)
+    if not all(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")):
+        raise UsageError(f"{script} is started by torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE; run "
+                         f"`torchrun --standalone --nproc_per_node=2 {script}`")
 
 
 def synchronize(device):
-    """Wait for the device to finish: CUDA runs asynchronously, so a clock read without this stops early."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the device to finish: GPUs run asynchronously, so a clock read without this stops early."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def free_port(host="127.0.0.1"):
@@ -88,25 +85,55 @@ def check_can_listen(host, port):
                              "master address: give an address of this machine, e.g. 127.0.0.1") from None
 
 
-def torchrun_ranks(script):
-    """(rank, local_rank, world_size, local_world_size) as torchrun sets them, or how to launch instead."""
-    try:
-        ranks = tuple(int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
-    except KeyError:
-        raise UsageError(f"{script} is started by torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE; run "
-                         f"`torchrun --standalone --nproc_per_node=2 {script}`") from None
-    if (ranks[0] == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        # Measured here: with the store shared, a restarted group often reads the previous group's
-        # addresses, fails to connect and burns a restart (pytorch/pytorch#135712).
-        print("warning: torchrun shares its rendezvous store with the workers, so restarts may fail on stale "
-              "addresses; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when using --max-restarts",
-              file=sys.stderr, flush=True)
-    return ranks
+GROUP_STORE_KEY = "ddp_examples/group_store"
+STALE_CHECK_S = 3.0  # how long one try to reach a posted store may take before it counts as stale
 
 
-def summary_line(epochs, steps, final_loss, samples, wall_s, world_size, backend):
-    """The line every training script ends with, so runs can be compared at a glance."""
+def group_store(rank, world_size, timeout):
+    timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    """A key-value store of this process group's own, for init_process_group(store=...), under torchrun;
+    None elsewhere (init_process_group then reads MASTER_ADDR and MASTER_PORT itself).
+
+    torchrun (since torch 2.5) points its workers at its own rendezvous store, which outlives a restart
+    and still holds the previous group's keys: a restarted rank can read a dead peer's address, fail to
+    connect and burn the restart (pytorch/pytorch#135712). Keys cannot be prefixed with the restart count,
+    since each node counts its own restarts. So rank 0 hosts a fresh store for every group and posts its
+    address with a random token in torchrun's store. A stale post is told apart by itself: the previous
+    group's rank 0 is dead, so nothing answers at its address, or another store does, with another token.
+    """
+    # Not under torchrun, or under it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store each time.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadline = time.monotonic() + timeout
+    agent_store = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
+    if rank == 0:
+        store = dist.TCPStore(address, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        token = uuid.uuid4().hex
+        store.set("token", token)
+        agent_store.set(GROUP_STORE_KEY, f"{address} {store.port} {token}")
+        return store
+    while True:
+        host, group_port, token = agent_store.get(GROUP_STORE_KEY).decode().split()
+        try:
+            store = dist.TCPStore(host, int(group_port), is_master=False, timeout=timedelta(seconds=STALE_CHECK_S))
+            if store.get("token").decode() == token:
+                store.set_timeout(timedelta(seconds=timeout))
+                return store
+        except dist.DistError:  # nobody there, or a store without our token: the previous group's post
+            pass
+        if time.monotonic() > deadline:
+            raise PeerLostError(f"rank 0 posted no store for this group within --timeout {timeout:g}s; "
+                                "check that rank 0 started and is reachable")
+        time.sleep(0.1)
+
+
+def summary_line(epochs, steps, final_loss, samples, wall_s, world_size=None, backend=None):
+    """The line every training script ends with, so runs can be compared at a glance. The world size and
+    backend default to the process group's (1 and none without one)."""
+    if world_size is None:
+        world_size, backend = (dist.get_world_size(), dist.get_backend()) if dist.is_initialized() else (1, "none")
     return (f"Summary: epochs {epochs} | steps {steps} | final loss {final_loss:.6f} | "
             f"samples/s {samples / max(wall_s, 1e-9):.1f} | wall {wall_s:.2f}s | "
             f"world size {world_size} | backend {backend}")

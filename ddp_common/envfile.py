@@ -4,7 +4,8 @@ import os
 
 from dotenv import dotenv_values, load_dotenv
 
-from ddp_common.cli import UsageError, port_number
+from ddp_common.cli import port_number
+from ddp_common.errors import UsageError
 from ddp_common.distributed import check_can_listen, free_port
 
 DEFAULT_ADDRESS = "127.0.0.1"

@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from huggingface_hub import constants, get_session
 
-from ddp_common.cli import UsageError, one_line
+from ddp_common.errors import UsageError, one_line
 from ddp_common.data import load_mnist
 
 HUB_DATASET = "ylecun/mnist"

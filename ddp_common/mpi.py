@@ -1,10 +1,14 @@
-"""From an MPI launch to the variables torch.distributed reads (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+"""From an MPI launch to what torch.distributed needs: ranks, the local rank, and a rendezvous address.
 
 mpirun starts the processes and numbers them, but says nothing about where torch's rendezvous store
 lives. So rank 0 picks an address and a free port and broadcasts them over MPI itself.
+run_with_mpirun.py shows these steps one by one; setup_environment() does them all for the scripts
+whose lesson is elsewhere (train.py, benchmarks/allreduce.py).
 """
 import os
 import socket
+
+import torch
 
 from ddp_common.distributed import free_port
 
@@ -17,39 +21,48 @@ def launched_by_mpirun():
     return any(name in os.environ for name in LAUNCHED_BY_MPI_VARIABLES)
 
 
-def setup_environment():
-    """Fill RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from MPI.
-
-    Returns a dict saying where each value came from, for the scripts to print. MASTER_ADDR and
-    MASTER_PORT already in the environment win (on several hosts, MASTER_ADDR must be an address of
-    rank 0's host that the other hosts reach)."""
+def local_rank_and_size(comm):
+    """(local rank, processes on this node, where the local rank came from): from the MPI implementation's
+    variable where it sets one, else from a split of `comm` by shared memory (one group per node)."""
     from mpi4py import MPI  # imported here: scripts that never see mpirun need no MPI library
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local_rank, local_size, source = node.Get_rank(), node.Get_size(), "MPI shared-memory split"
+    node.Free()
+    for name in LOCAL_RANK_VARIABLES:
+        if name in os.environ:
+            local_rank, source = int(os.environ[name]), name
+            break
+    return local_rank, local_size, source
+
+
+def rendezvous_address(one_host):
+    """What rank 0 offers the others for torch's rendezvous: MASTER_ADDR/MASTER_PORT if set (on several
+    hosts MASTER_ADDR must be an address of rank 0's host that the others reach), else 127.0.0.1 on one
+    host or the address this host's name resolves to, and a free port."""
+    address = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else _own_address())
+    port = int(os.environ.get("MASTER_PORT") or free_port("127.0.0.1" if one_host else ""))
+    return address, port
+
+
+def setup_environment():
+    """Set RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from MPI, as torchrun
+    would, and give each process its share of the CPU cores (mpirun, unlike torchrun, leaves
+    OMP_NUM_THREADS unset, and every process would start a thread per core)."""
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, world_size = comm.Get_rank(), comm.Get_size()
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_world_size = node_comm.Get_size()
-    source = {"rank": "MPI.COMM_WORLD.Get_rank()", "world_size": "MPI.COMM_WORLD.Get_size()"}
-    for name in LOCAL_RANK_VARIABLES:
-        if name in os.environ:
-            local_rank, source["local_rank"] = int(os.environ[name]), name
-            break
-    else:
-        local_rank, source["local_rank"] = node_comm.Get_rank(), "MPI shared-memory split"
-    node_comm.Free()
-
-    rendezvous = None
-    if rank == 0:
-        one_host = local_world_size == world_size
-        address = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else _own_address())
-        port = int(os.environ.get("MASTER_PORT") or free_port("127.0.0.1" if one_host else ""))
-        rendezvous = (address, port)
-    address, port = comm.bcast(rendezvous, root=0)
-    source["master"] = "environment" if "MASTER_ADDR" in os.environ else "chosen by rank 0, sent by MPI bcast"
-
+    local_rank, local_world_size, _ = local_rank_and_size(comm)
+    address, port = comm.bcast(rendezvous_address(local_world_size == world_size) if rank == 0 else None, root=0)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(local_world_size), MASTER_ADDR=address, MASTER_PORT=str(port))
-    return source
+    share_cores(local_world_size)
+
+
+def share_cores(local_world_size):
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
 
 
 def _own_address():

@@ -12,8 +12,9 @@ import socket
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from ddp_common.cli import UsageError, one_line
+from ddp_common.errors import UsageError, one_line
 
 FORMAT = "ddp-examples-snapshot-v1"
 
@@ -93,22 +94,25 @@ def _alive(pid):
     return True
 
 
-def load(path, model, optimizer, device, scheduler=None, scaler=None):
-    """Restore a snapshot into model and optimizer and return the epochs it completed; 0 if there is none.
-
-    An unreadable snapshot, or one of another model, stops the run with a one-line error and is left alone:
-    training on would overwrite it.
-    """
+def read(path):
+    """The snapshot at `path` as a dict on the CPU, None if there is none. An unreadable file, or one these
+    scripts did not write, is a UsageError and is left alone: training on would overwrite it."""
     if not os.path.exists(path):
-        return 0
+        return None
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise UsageError(f"snapshot {path} cannot be read ({type(error).__name__}: {one_line(error)}); "
                          "move it away to start afresh, or pass another --snapshot_path") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UsageError(f"{path} is not a snapshot written by these scripts; "
                          "move it away to start afresh, or pass another --snapshot_path")
+    return state
+
+
+def restore(state, path, model, optimizer, scheduler=None, scaler=None):
+    """Put a snapshot read from `path` into model, optimizer (and scheduler, scaler) and the RNGs; return the
+    epochs it completed. One of another model or other flags is a UsageError."""
     try:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -122,3 +126,43 @@ def load(path, model, optimizer, device, scheduler=None, scaler=None):
                          ) from None
     set_rng_states(state["rng"])
     return state["epochs_run"]
+
+
+def load(path, model, optimizer, scheduler=None, scaler=None):
+    """Resume from the snapshot at `path`: the epochs it completed, 0 if there is none (a fresh start)."""
+    state = read(path)
+    return 0 if state is None else restore(state, path, model, optimizer, scheduler, scaler)
+
+
+def load_newest(path, model, optimizer, scheduler=None, scaler=None):
+    """Every rank calls this, each with the snapshot on its own node's disk at `path`: all ranks resume from
+    the newest snapshot that any of them holds, sent by its holder to the others. Returns (epochs, note),
+    where note says what happened when the ranks' snapshots differed (None when they all agreed).
+
+    Snapshots differ when a node died between two saves, or a node joins with an older snapshot or none;
+    training on from each node's own would average gradients of different models. An unreadable snapshot
+    on any rank stops every rank with the same error (one rank alone stopping would leave the others
+    waiting in the next collective until the timeout)."""
+    try:
+        state, problem = read(path), None
+    except UsageError as error:
+        state, problem = None, str(error)
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (state["epochs_run"] if state else 0, problem))
+    problems = [(rank, text) for rank, (_, text) in enumerate(held) if text]
+    if problems:
+        rank, text = problems[0]
+        raise UsageError(f"{text} (on rank {rank})")
+    epochs = [count for count, _ in held]
+    newest = max(epochs)
+    if newest == 0:
+        return 0, None
+    note = None
+    if min(epochs) != newest:
+        source = epochs.index(newest)
+        box = [state if dist.get_rank() == source else None]
+        dist.broadcast_object_list(box, src=source)
+        state = box[0]
+        note = (f"the ranks' snapshots held {min(epochs)} to {newest} epochs: every rank resumes from the newest, "
+                f"rank {source}'s")
+    return restore(state, path, model, optimizer, scheduler, scaler), note

@@ -1,8 +1,11 @@
 """Helpers for launching the real scripts under their real launchers, in subprocesses."""
 import os
-import socket
+import re
+import signal
 import subprocess
 import sys
+import time
+from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -10,54 +13,190 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent  # torchrun and mpirun are installed beside this python
+sys.path.insert(0, str(REPO))
+from benchmarks.launches import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_cmd, python_cmd,  # noqa: E402,F401
+                                 torchrun_cmd)
+from ddp_common.data import read_idx, write_idx  # noqa: E402
+from ddp_common.distributed import free_port  # noqa: E402,F401
+
 # The official MNIST test set's two IDX files, carried in the repository (tests/data/mnist/README.md says
 # where they come from); MNIST_DIR points at another copy.
 MNIST = Path(os.environ.get("MNIST_DIR", REPO / "tests" / "data" / "mnist"))
-sys.path.insert(0, str(REPO))
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Every process a test launches, and every process those start (torchrun's workers live in sessions of
+# their own, and outlive a killed launcher), inherit this variable: it is how teardown finds them all.
+TOKEN_VARIABLE = "DDP_EXAMPLES_TEST_LAUNCH"
+SESSION_TOKEN = f"session-{os.getpid()}"  # launches of module-scoped fixtures, made before any test's token
+_current_token = SESSION_TOKEN
 
 
-def clean_env(**extra):
-    """The environment of a fresh shell: no launcher variables leaking in from a surrounding job."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("OMPI_", "PMIX_", "TORCHELASTIC_"))}
-    env.update(PYTHONUNBUFFERED="1", **{k: str(v) for k, v in extra.items()})
+# tests/support/sitecustomize.py: every launched process checks that destroy_process_group freed the group.
+PROBE = REPO / "tests" / "support"
+PROBE_MARKER = "ddp-examples-probe:"
+
+
+def check_no_abort(output, what):
+    for marker in (*ABORT_MARKERS, PROBE_MARKER):
+        if marker in output:
+            pytest.fail(f"{what} printed {marker!r}:\n{output[-4000:]}")
+
+
+def _tagged(env):
+    env = {**(env or clean_env()), TOKEN_VARIABLE: _current_token}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE), env.get("PYTHONPATH")]))
     return env
 
 
+def start(cmd, cwd, env=None, merge_output=True):
+    """Popen a launch in its own session, tagged for teardown; read it with finish()."""
+    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=_tagged(env), text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_output else subprocess.PIPE)
+
+
+def finish(process, timeout):
+    """Wait for a started launch; its output (stdout, or (stdout, stderr) if kept apart). A launch still
+    running after `timeout` seconds is killed with everything it started, and the test fails."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_launched()
+        out, err = process.communicate()
+        pytest.fail(f"{' '.join(map(str, process.args))} still running after {timeout}s:\n{(out or '')[-3000:]}"
+                    f"\n{(err or '')[-3000:]}")
+    check_no_abort((out or "") + (err or ""), " ".join(map(str, process.args)))
+    return out if err is None else (out, err)
+
+
 def run(cmd, cwd, timeout=120, env=None, check=True):
-    """Run a command; on an unexpected exit code fail with its output, so a broken run explains itself."""
-    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), capture_output=True,
-                            text=True, timeout=timeout)
+    """Run a command to its end; on an unexpected exit code fail with its output, so a broken run explains
+    itself. Returns a CompletedProcess with stdout and stderr apart."""
+    process = start(cmd, cwd, env, merge_output=False)
+    out, err = finish(process, timeout)
+    result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(map(str, cmd))} exited {result.returncode}\n"
                     f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
     return result
 
 
-def python_cmd(script, *args):
-    return [sys.executable, REPO / script, *args]
+def launched_pids():
+    """The processes that carry this test's token in their environment, wherever they sit in the tree."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if f"{TOKEN_VARIABLE}={_current_token}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # gone already, or not ours to read
+                pass
+    return found
 
 
-def torchrun_cmd(script, *args, nproc=2, extra=()):
-    return [BIN / "torchrun", "--standalone", f"--nproc_per_node={nproc}", *extra, REPO / script, *args]
+def kill_launched():
+    for pid in launched_pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
-def mpirun_cmd(script, *args, np_=2):
-    """mpirun as root needs the two OMPI_ALLOW variables (set in mpi_env); above 2 ranks, --oversubscribe."""
-    return [BIN / "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
-            sys.executable, REPO / script, *args]
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(request):
+    """Each test gets a token; after it, nothing that carries the token may still run. A test that passed
+    but left a process behind (a worker that never exits) errors; after a failed one they are only killed."""
+    global _current_token
+    _current_token = f"{request.node.nodeid}-{os.getpid()}-{time.monotonic_ns()}"
+    yield
+    deadline = time.monotonic() + 15  # processes of a finished launch may take a moment to exit
+    while launched_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leftover = launched_pids()
+    kill_launched()
+    _current_token = SESSION_TOKEN
+    failed = getattr(request.node, "rep_call", None) is None or request.node.rep_call.failed
+    if leftover and not failed:
+        pytest.fail(f"processes still running 15s after the test: {leftover}")
 
 
-def mpi_env(**extra):
-    return clean_env(OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, **extra)
+def pytest_sessionfinish(session, exitstatus):
+    global _current_token
+    _current_token = SESSION_TOKEN
+    kill_launched()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+SUMMARY = re.compile(r"^Summary: epochs (?P<epochs>[\d.]+) \| steps (?P<steps>\d+) \| final loss (?P<loss>[\d.]+) \| "
+                     r"samples/s (?P<samples_per_s>[\d.]+) \| wall (?P<wall>[\d.]+)s \| "
+                     r"world size (?P<world_size>\d+) \| backend (?P<backend>\w+)$", re.MULTILINE)
+Summary = namedtuple("Summary", "epochs steps loss samples_per_s wall world_size backend")
+COLLECTIVES = re.compile(r"^ddp-examples-count: rank (\d+) issued (\d+) collectives$", re.MULTILINE)
+# Two formats: the tutorial's "Epoch 3 | Batchsize 32 | Steps 32 | Loss 0.1" and the linear classifier's
+# "[DDP] Epoch 3 | loss 0.1 | accuracy 0.9 | 0.12s" (ddp.py puts the mode in front).
+EPOCH_LINE = re.compile(r"^(?:\[(?P<mode>[^\]]+)\] )?Epoch (?P<epoch>\d+) \| (?:Batchsize (?P<batch_size>\d+) \| "
+                        r"Steps (?P<steps>\d+) \| Loss (?P<tutorial_loss>[\d.]+)|loss (?P<loss>[\d.]+) \| "
+                        r"accuracy (?P<accuracy>[\d.]+)(?: \| samples (?P<samples>\d+))?)", re.MULTILINE)
+EpochLine = namedtuple("EpochLine", "mode epoch loss accuracy batch_size steps samples")
+
+
+def summary(output):
+    """The summary line every training run ends with, as named fields; fails the test if there is none."""
+    match = SUMMARY.search(output)
+    if not match:
+        pytest.fail(f"no summary line in:\n{output[-3000:]}")
+    f = match.groupdict()
+    return Summary(float(f["epochs"]), int(f["steps"]), float(f["loss"]), float(f["samples_per_s"]),
+                   float(f["wall"]), int(f["world_size"]), f["backend"])
+
+
+def epoch_lines(output, mode=None):
+    """Every epoch line of a run (of one mode of ddp.py's, if given), in order."""
+    found = []
+    for m in EPOCH_LINE.finditer(output):
+        if mode is None or m["mode"] == mode:
+            loss = float(m["loss"] or m["tutorial_loss"])
+            found.append(EpochLine(m["mode"], int(m["epoch"]), loss, m["accuracy"] and float(m["accuracy"]),
+                                   m["batch_size"] and int(m["batch_size"]), m["steps"] and int(m["steps"]),
+                                   m["samples"] and int(m["samples"])))
+    return found
+
+
+def epoch_losses(output, mode=None):
+    return [line.loss for line in epoch_lines(output, mode)]
+
+
+def collectives_issued(output):
+    """{rank: collectives issued}, from a run launched with DDP_EXAMPLES_PROBE_COLLECTIVES=1."""
+    return {int(rank): int(count) for rank, count in COLLECTIVES.findall(output)}
+
+
+def assert_same_training_state(path_a, path_b):
+    """Model, optimizer, epoch count and torch RNG of two snapshots: all that the training depends on (python's
+    and numpy's generators are recorded too, but these scripts never draw from them)."""
+    a, b = load_snapshot(path_a), load_snapshot(path_b)
+    for key in ("epochs_run", "model", "optimizer"):
+        assert_bitwise_equal(a[key], b[key], key)
+    assert_bitwise_equal(a["rng"]["torch"], b["rng"]["torch"], "rng.torch")
+
+
+def assert_one_line_error(result, *fragments, code=2):
+    """A launch that stopped on bad input: the exit code, and an error line (`error: ...` from the scripts,
+    `script.py: error: ...` from argparse) with every fragment, before any traceback; launchers may add
+    their own report of the failed process after it. Returns the line."""
+    assert result.returncode == code, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ") or ": error: " in line]
+    assert lines, result.stderr[-3000:]
+    assert len(set(lines)) == 1, f"one error, said once per node: {lines}"
+    assert "Traceback" not in result.stderr.split(lines[0])[0], result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
 
 
 def load_snapshot(path):
@@ -83,7 +222,6 @@ def assert_bitwise_equal(a, b, what=""):
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory):
     """The real MNIST test images split 8,000 train / 2,000 eval, written as the four IDX files."""
-    from ddp_common.data import read_idx, write_idx
     images = read_idx(str(MNIST / "t10k-images-idx3-ubyte.gz"))
     labels = read_idx(str(MNIST / "t10k-labels-idx1-ubyte.gz"))
     order = np.random.default_rng(0).permutation(len(images))

@@ -24,7 +24,8 @@ from conftest import free_port
 # only the -dev package installs. libopenmpi3: the cluster's own MPI, built with the same PMIx as Slurm
 # (the Open MPI wheel of requirements.txt does not work under srun --mpi=pmix, see test_slurm.py).
 PACKAGES = "slurm-wlm munge libpmix-dev libopenmpi3"
-PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "squeue", "scontrol", "scancel", "nsenter", "ip")
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "squeue", "scontrol", "scancel",
+            "nsenter", "ip")
 # Jobs take two nodes; the third is the spare that a job requeued after a node's death runs on, as on a
 # cluster with nodes to spare. (A dead node restarted at once, within a second of the requeue, left the
 # requeued job, which keeps its id, waiting for its job step until the time limit: "Requested nodes are
@@ -205,7 +206,8 @@ class SlurmCluster:
                 environ = (entry / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            conf = next((item[len(b"SLURM_CONF="):].decode() for item in environ if item.startswith(b"SLURM_CONF=")), "")
+            conf = next((item[len(b"SLURM_CONF="):].decode() for item in environ
+                         if item.startswith(b"SLURM_CONF=")), "")
             if conf.startswith(wanted):
                 found.append(int(entry.name))
         return found

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run
-from test_launchers import EPOCH_LINE, SUMMARY
+from conftest import REPO, epoch_losses, run, summary
 
 PACKAGES = "podman runc debootstrap"
 IMAGE = "localhost/ddp-examples:test"
@@ -140,9 +139,9 @@ def test_image_holds_the_pinned_torch_and_the_repository_less_what_dockerignore_
 
 def test_default_command_is_the_quick_start_on_two_cpu_processes(podman, image):
     out = container(podman, image).stdout
-    summary = SUMMARY.search(out)
-    assert summary and summary.group(1, 2, 4, 5) == ("20", "640", "2", "gloo"), out[-3000:]
-    losses = [float(line[3]) for line in EPOCH_LINE.findall(out)]
+    trained = summary(out)
+    assert (trained.epochs, trained.steps, trained.world_size, trained.backend) == (20, 640, 2, "gloo"), out[-3000:]
+    losses = epoch_losses(out)
     assert len(losses) == 20 and losses[-1] < losses[0] / 10, losses
     assert "Epoch 19 | Snapshot saved at snapshot.pt" in out
 
@@ -150,6 +149,6 @@ def test_default_command_is_the_quick_start_on_two_cpu_processes(podman, image):
 def test_mpirun_trains_inside_the_image(podman, image):
     out = container(podman, image, "mpirun", "-np", "2", "python", "run_with_mpirun.py", "--train",
                     "--total_epochs", "2", "--save_every", "1").stdout
-    summary = SUMMARY.search(out)
-    assert summary and summary.group(1, 4, 5) == ("2", "2", "gloo"), out[-3000:]
+    trained = summary(out)
+    assert (trained.epochs, trained.world_size, trained.backend) == (2, 2, "gloo"), out[-3000:]
     assert "Process 1: rank from MPI.COMM_WORLD.Get_rank(), local rank 1 from OMPI_COMM_WORLD_LOCAL_RANK" in out

@@ -170,7 +170,7 @@ def test_sbatch_header_and_launch(path):
     assert text.startswith("#!/bin/bash\n") and "#SBATCH --nodes=" in text
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
     if path.name == "multinode.sbatch":
-        assert re.search(r"--rdzv-id=\"?\$SLURM_JOB_ID", text) and "--rdzv-backend=c10d" in text
+        assert re.search(r"--rdzv_id=\"?\$SLURM_JOB_ID", text) and "--rdzv_backend=c10d" in text
         assert "--ntasks-per-node=1" in text  # one torchrun per node
     else:
         assert "srun --mpi=pmix" in text and re.search(r"^# mpirun ", text, re.M)

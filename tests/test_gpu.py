@@ -1,0 +1,86 @@
+"""The GPU path: every script with NCCL on real GPUs, at world size 1 and (with two GPUs) 2, DataParallel
+beside DDP in ddp.py, and mixed precision on the GPU. Skipped, with the reason, where torch sees no CUDA GPU;
+on a GPU machine:
+
+    python -m pytest -q tests/test_gpu.py
+"""
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import epoch_losses, load_snapshot, mpi_env, mpirun_cmd, python_cmd, run, summary, torchrun_cmd
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = pytest.mark.skipif(GPUS == 0, reason="needs CUDA GPUs: torch sees none on this machine")
+WORLD_SIZES = [1, 2] if GPUS >= 2 else [1]
+
+
+def assert_trained_on_nccl(output, world_size):
+    line = summary(output)
+    assert (line.world_size, line.backend) == (world_size, "nccl"), output[-2000:]
+    losses = epoch_losses(output)
+    assert losses and losses[-1] < losses[0], losses
+
+
+def test_singlegpu_trains_on_the_gpu(tmp_path):
+    out = run(python_cmd("singlegpu.py", "4", "2"), cwd=tmp_path).stdout
+    assert summary(out).backend == "none"
+    losses = epoch_losses(out)
+    assert losses[-1] < losses[0]
+    # The snapshot holds the GPU's RNG state too, so a resumed GPU run draws what an uninterrupted one would.
+    assert len(load_snapshot(tmp_path / "snapshot.pt")["rng"]["cuda"]) == GPUS
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_tutorial_steps_train_with_nccl(tmp_path, world_size):
+    out = run(python_cmd("multigpu.py", "4", "2", "--world_size", world_size, "--snapshot_path", "spawn.pt"),
+              cwd=tmp_path).stdout
+    assert_trained_on_nccl(out, world_size)
+    for script in ("multigpu_torchrun.py", "multinode.py"):
+        out = run(torchrun_cmd(script, "4", "2", "--snapshot_path", f"{script}.pt", nproc=world_size),
+                  cwd=tmp_path).stdout
+        assert_trained_on_nccl(out, world_size)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_every_launcher_runs_the_collectives_on_nccl(tmp_path, world_size):
+    outputs = [run(torchrun_cmd("run_with_torchrun.py", nproc=world_size), cwd=tmp_path).stdout,
+               run(python_cmd("run_with_python.py", "--world_size", world_size), cwd=tmp_path).stdout,
+               run(mpirun_cmd("run_with_mpirun.py", np_=world_size), cwd=tmp_path, env=mpi_env()).stdout]
+    for out in outputs:
+        for rank in range(world_size):
+            assert f"Process {rank}: Default device is set to {rank}" in out, out
+        rows = re.findall(r"^(\S.*?)\s*\| .*\| (yes|NO on rank [\d, ]+)$", out, re.MULTILINE)
+        assert rows and all(ok == "yes" for _, ok in rows), out
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_linear_classifier_with_nccl_and_amp(tmp_path, world_size):
+    out = run(torchrun_cmd("torchrun_ddp.py", "--total_epochs", "3", "--amp", nproc=world_size), cwd=tmp_path).stdout
+    dtype = "torch.bfloat16" if torch.cuda.is_bf16_supported() else "torch.float16"
+    assert f"amp {dtype} | device cuda:0" in out, out
+    assert summary(out).backend == "nccl"
+
+
+def test_ddp_py_compares_dataparallel_with_ddp(tmp_path):
+    out = run(python_cmd("ddp.py", "--total_epochs", "3"), cwd=tmp_path).stdout
+    assert summary(out).backend == "nccl"
+    rows = re.findall(r"^(normal|DDP \(\d+ ranks\)|DataParallel \(\d+ GPUs\)) +\|", out, re.MULTILINE)
+    assert ("DataParallel" in " ".join(rows)) == (GPUS >= 2), out
+    difference = float(re.search(r"Largest \|normal - DDP\| weight difference: (\S+)", out)[1])
+    assert difference < 1e-4, out  # GPU kernels round differently from the CPU, still far below a real difference
+
+
+def test_train_py_trains_with_nccl(tmp_path, mnist_dir):
+    run(torchrun_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", tmp_path / "out", "--max_train_samples",
+                     "2000", "--total_epochs", "2", nproc=min(GPUS, 2)), cwd=tmp_path, timeout=600)
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert results["eval_accuracy"] > 0.9
+
+
+def test_allreduce_benchmark_with_nccl(tmp_path):
+    out = run(torchrun_cmd("benchmarks/allreduce.py", "--quick", "--out", tmp_path, nproc=min(GPUS, 2)),
+              cwd=tmp_path).stdout
+    assert "backend nccl" in out and "Peak busbw" in out

@@ -5,11 +5,18 @@ munge's key and socket in a directory of their own under /tmp; nothing in /etc i
 daemons get `-f` and munged its paths, the clients SLURM_CONF. Slurm
 22.05's daemons and srun listen on every address, so the cluster runs in a network namespace of its
 own whose only interface is loopback: the daemons', the clients' and the jobs' traffic all stays on
-127.0.0.1 of that namespace.
+127.0.0.1 of that namespace. The namespace has no name: a holder process keeps it until the daemons
+are in, and it goes with the last process inside it.
+
+Nothing outlives the tests: stop() (the fixture's teardown, which runs on failure too) cancels the jobs,
+stops the daemons and kills what is left of the jobs. Should pytest itself be killed, the daemons die
+with it (PR_SET_PDEATHSIG), and the job steps they started end with their jobs, which are bounded by
+their scripts' --timeout and a few seconds of training.
 
     with SlurmCluster(directory) as cluster:
         cluster.run(["sbatch", "--wait", ...], cwd=..., env=cluster.env(...), timeout=...)
 """
+import ctypes
 import os
 import shutil
 import signal
@@ -23,7 +30,8 @@ from conftest import free_port
 # Debian's packages (bookworm: Slurm 22.05). libpmix-dev: Slurm's PMIx plugin opens libpmix.so, a name
 # only the -dev package installs. libopenmpi3: the cluster's own MPI, built with the same PMIx as Slurm
 # (the Open MPI wheel of requirements.txt does not work under srun --mpi=pmix, see test_slurm.py).
-PACKAGES = "slurm-wlm munge libpmix-dev libopenmpi3"
+# iproute2: ip, for the loopback of the cluster's network namespace (not in Debian's minimal images).
+PACKAGES = "slurm-wlm munge libpmix-dev libopenmpi3 iproute2"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "squeue", "scontrol", "scancel",
             "nsenter", "ip")
 # Jobs take two nodes; the third is the spare that a job requeued after a node's death runs on, as on a
@@ -56,7 +64,8 @@ def site_libmpi():
 class SlurmCluster:
     def __init__(self, root):
         self.root = Path(root)
-        self.netns = f"ddpslurm{os.getpid()}"
+        self.holder = None  # the process that holds the network namespace open
+        self.netns = None  # its path, /proc/<holder>/ns/net
         self.conf = self.root / "slurm.conf"
         self.munge = None
         self.daemons = {}
@@ -133,19 +142,28 @@ class SlurmCluster:
             (r / f"etc-{node}" / "mpi.conf").write_text(f"PMIxCliTmpDirBase={r}/pmix-{node}\n")
 
     def _netns_argv(self, argv):
-        return ["nsenter", f"--net=/run/netns/{self.netns}", *map(str, argv)]
+        # nsenter without --pid execs the program in place: a daemon is pytest's own child.
+        return ["nsenter", f"--net={self.netns}", *map(str, argv)]
 
     def _daemon(self, name, argv):
         with open(self.root / "log" / f"{name}.stderr", "ab") as log:
             self.daemons[name] = subprocess.Popen(self._netns_argv(argv), cwd=self.root, stdin=subprocess.DEVNULL,
-                                                  stdout=log, stderr=subprocess.STDOUT)
+                                                  stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
 
     def _start(self):
+        self.holder = subprocess.Popen(["unshare", "--net", "sleep", "infinity"], stdin=subprocess.DEVNULL,
+                                       preexec_fn=_die_with_parent)
+        host_netns = os.readlink("/proc/self/ns/net")
+        self.netns = f"/proc/{self.holder.pid}/ns/net"
+        # Until unshare has made the namespace, the holder's is still the host's.
+        self.wait_for(lambda: _readlink(self.netns) not in (None, host_netns) or self.holder.poll() is not None, 30,
+                      "a network namespace")
+        if self.holder.poll() is not None:
+            raise RuntimeError(f"unshare --net exited {self.holder.returncode}: no network namespace for the cluster")
         # Besides 127.0.0.1, a second loopback address: with none but 127.0.0.1, glibc's AI_ADDRCONFIG
         # finds no IPv4 at all, and the daemons cannot resolve the address they listen on.
-        for argv in (["netns", "add", self.netns], ["-n", self.netns, "link", "set", "lo", "up"],
-                     ["-n", self.netns, "addr", "add", "127.0.0.2/32", "dev", "lo"]):
-            subprocess.run(["ip", *argv], check=True, capture_output=True, timeout=30)
+        for argv in (["link", "set", "lo", "up"], ["addr", "add", "127.0.0.2/32", "dev", "lo"]):
+            subprocess.run(self._netns_argv(["ip", *argv]), check=True, capture_output=True, timeout=30)
         m = self.munge
         self._daemon("munged", ["munged", "--foreground", f"--socket={m}/munge.socket", f"--key-file={m}/munge.key",
                                 f"--pid-file={m}/munged.pid", f"--seed-file={m}/munged.seed",
@@ -238,9 +256,23 @@ class SlurmCluster:
                 daemon.wait(30)
         for pid in self.processes():
             _kill(pid)
-        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=30)
+        if self.holder:
+            self.holder.kill()
+            self.holder.wait(30)
         if self.munge:
             shutil.rmtree(self.munge, ignore_errors=True)
+
+
+def _die_with_parent():
+    """In a daemon, before it starts: SIGKILL when pytest goes, however it goes."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+def _readlink(path):
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
 
 
 def _kill(pid):

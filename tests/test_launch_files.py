@@ -164,6 +164,16 @@ def test_pytorchjob_command_trains_with_the_operator_variables(tmp_path):
     assert_trained(result, tmp_path / "snap.pt", world_size=int(operator["PET_NPROC_PER_NODE"]))
 
 
+# torchrun accepts both spellings of its flags; the repository uses one, with underscores.
+TORCHRUN_DASHED = re.compile(r"--(?:nproc-per-node|node-rank|rdzv-backend|rdzv-endpoint|rdzv-id|rdzv-conf|max-restarts|"
+                             r"master-addr|master-port|local-addr)\b")
+
+
+@pytest.mark.parametrize("path", [*SBATCH, *YAML_FILES, DOCKERFILE], ids=lambda p: p.name)
+def test_torchrun_flags_are_spelled_with_underscores(path):
+    assert not TORCHRUN_DASHED.findall(path.read_text()), path
+
+
 @pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
 def test_sbatch_header_and_launch(path):
     text = path.read_text()

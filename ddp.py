@@ -175,7 +175,7 @@ def main(args):
     ddp_loss, ddp_accuracy = evaluate(ddp_model, dataset, torch.device("cpu"))
     rows.append((f"DDP ({world_size} ranks)", result["wall"], result["samples"], ddp_loss, ddp_accuracy))
 
-    gpus = torch.cuda.device_count()
+    gpus, dp_model = torch.cuda.device_count(), None
     if gpus >= 2:
         dp_model, dataset, wall, samples = data_parallel_training(args, world_size)
         rows.append((f"DataParallel ({gpus} GPUs)", wall, samples, *evaluate(dp_model, dataset, device)))
@@ -187,6 +187,13 @@ def main(args):
         print(f"{mode:<22} | {wall:>8.2f}s | {samples / wall:>10.1f} | {loss:>10.6f} | {accuracy:>8.4f}")
     print("(wall time: the training loops only, without process start and rendezvous; "
           "loss and accuracy: final weights on the whole dataset)")
+    if args.weights_dir:
+        os.makedirs(args.weights_dir, exist_ok=True)
+        for name, model in (("normal", normal_model), ("ddp", ddp_model), ("dataparallel", dp_model)):
+            if model is not None:
+                weights = {key: value.cpu() for key, value in model.state_dict().items()}
+                torch.save(weights, os.path.join(args.weights_dir, f"{name}.pt"))
+        print(f"Final weights of each mode written to {args.weights_dir}")
     difference = max((normal_model.state_dict()[name].cpu() - value).abs().max().item()
                      for name, value in ddp_model.state_dict().items())
     print(f"Largest |normal - DDP| weight difference: {difference:.3e}")
@@ -200,6 +207,8 @@ if __name__ == "__main__":
     cli.add_linear_args(parser, input_size=200)
     parser.add_argument("--world_size", type=cli.positive_int,
                         help="DDP processes to start (default: one per GPU, or 2 without GPUs)")
+    parser.add_argument("--weights_dir", help="write each mode's final weights to DIR (normal.pt, ddp.pt, "
+                                              "dataparallel.pt), to inspect or compare them")
     parser.add_argument("--env_file",
                         help="file with MASTER_ADDR and MASTER_PORT (default: .env in the current directory, "
                              "if there is one); variables set in the environment win")

@@ -114,7 +114,7 @@ class Trainer:
             loss, accuracy, epoch_samples = self._run_epoch(epoch)  # .tolist() has waited for the device
             samples += epoch_samples
             if self.rank == 0:
-                print(f"Epoch {epoch} | loss {loss:.6f} | accuracy {accuracy:.4f} | "
+                print(f"Epoch {epoch} | loss {loss:.6f} | accuracy {accuracy:.4f} | samples {epoch_samples} | "
                       f"{time.perf_counter() - epoch_start:.2f}s")
             epochs_done = epoch + 1
             # Every rank holds the same weights: one copy on disk is enough.

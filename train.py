@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 train.py --data_dir DIR        # DDP, 2 processes
     mpirun -np 2 python train.py --data_dir DIR                             # DDP, ranks from MPI
     python train.py --data_dir DIR --num_train_epochs 5 --resume_from_checkpoint last
-    torchrun --standalone --nproc_per_node=2 --max-restarts=3 train.py --data_dir DIR
+    torchrun --standalone --nproc_per_node=2 --max_restarts=3 train.py --data_dir DIR
                                      # a restarted group resumes from the newest checkpoint
     python train.py                                 # MNIST from the Hugging Face Hub (ylecun/mnist)
 
@@ -116,7 +116,7 @@ def newest_checkpoint(output_dir):
 def checkpoint_to_resume(value, output_dir):
     """--resume_from_checkpoint: a checkpoint folder, or last/True for the newest one in output_dir."""
     if value is None:
-        # torchrun --max-restarts starts the same command again after a failure: go on from the newest
+        # torchrun --max_restarts starts the same command again after a failure: go on from the newest
         # checkpoint instead of training from scratch.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         return newest_checkpoint(output_dir) if restarted else None

@@ -2,7 +2,6 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.launches import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_cmd, python_cmd,  # noqa: E402,F401
                                  torchrun_cmd)
+from ddp_common.data import read_idx, write_idx  # noqa: E402
+from ddp_common.distributed import free_port  # noqa: E402,F401
 
 # The official MNIST test set's two IDX files, carried in the repository (tests/data/mnist/README.md says
 # where they come from); MNIST_DIR points at another copy.
 MNIST = Path(os.environ.get("MNIST_DIR", REPO / "tests" / "data" / "mnist"))
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Every process a test launches, and every process those start (torchrun's workers live in sessions of
@@ -138,15 +133,16 @@ def pytest_runtest_makereport(item, call):
 
 
 SUMMARY = re.compile(r"^Summary: epochs (?P<epochs>[\d.]+) \| steps (?P<steps>\d+) \| final loss (?P<loss>[\d.]+) \| "
-                     r"samples/s (?P<samples_per_s>[\d.]+) \| wall (?P<wall>[\d.]+)s \| world size (?P<world_size>\d+) \| "
-                     r"backend (?P<backend>\w+)$", re.MULTILINE)
+                     r"samples/s (?P<samples_per_s>[\d.]+) \| wall (?P<wall>[\d.]+)s \| "
+                     r"world size (?P<world_size>\d+) \| backend (?P<backend>\w+)$", re.MULTILINE)
 Summary = namedtuple("Summary", "epochs steps loss samples_per_s wall world_size backend")
+COLLECTIVES = re.compile(r"^ddp-examples-count: rank (\d+) issued (\d+) collectives$", re.MULTILINE)
 # Two formats: the tutorial's "Epoch 3 | Batchsize 32 | Steps 32 | Loss 0.1" and the linear classifier's
 # "[DDP] Epoch 3 | loss 0.1 | accuracy 0.9 | 0.12s" (ddp.py puts the mode in front).
 EPOCH_LINE = re.compile(r"^(?:\[(?P<mode>[^\]]+)\] )?Epoch (?P<epoch>\d+) \| (?:Batchsize (?P<batch_size>\d+) \| "
                         r"Steps (?P<steps>\d+) \| Loss (?P<tutorial_loss>[\d.]+)|loss (?P<loss>[\d.]+) \| "
-                        r"accuracy (?P<accuracy>[\d.]+))", re.MULTILINE)
-EpochLine = namedtuple("EpochLine", "mode epoch loss accuracy batch_size steps")
+                        r"accuracy (?P<accuracy>[\d.]+)(?: \| samples (?P<samples>\d+))?)", re.MULTILINE)
+EpochLine = namedtuple("EpochLine", "mode epoch loss accuracy batch_size steps samples")
 
 
 def summary(output):
@@ -166,12 +162,27 @@ def epoch_lines(output, mode=None):
         if mode is None or m["mode"] == mode:
             loss = float(m["loss"] or m["tutorial_loss"])
             found.append(EpochLine(m["mode"], int(m["epoch"]), loss, m["accuracy"] and float(m["accuracy"]),
-                                   m["batch_size"] and int(m["batch_size"]), m["steps"] and int(m["steps"])))
+                                   m["batch_size"] and int(m["batch_size"]), m["steps"] and int(m["steps"]),
+                                   m["samples"] and int(m["samples"])))
     return found
 
 
 def epoch_losses(output, mode=None):
     return [line.loss for line in epoch_lines(output, mode)]
+
+
+def collectives_issued(output):
+    """{rank: collectives issued}, from a run launched with DDP_EXAMPLES_PROBE_COLLECTIVES=1."""
+    return {int(rank): int(count) for rank, count in COLLECTIVES.findall(output)}
+
+
+def assert_same_training_state(path_a, path_b):
+    """Model, optimizer, epoch count and torch RNG of two snapshots: all that the training depends on (python's
+    and numpy's generators are recorded too, but these scripts never draw from them)."""
+    a, b = load_snapshot(path_a), load_snapshot(path_b)
+    for key in ("epochs_run", "model", "optimizer"):
+        assert_bitwise_equal(a[key], b[key], key)
+    assert_bitwise_equal(a["rng"]["torch"], b["rng"]["torch"], "rng.torch")
 
 
 def assert_one_line_error(result, *fragments, code=2):
@@ -211,7 +222,6 @@ def assert_bitwise_equal(a, b, what=""):
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory):
     """The real MNIST test images split 8,000 train / 2,000 eval, written as the four IDX files."""
-    from ddp_common.data import read_idx, write_idx
     images = read_idx(str(MNIST / "t10k-images-idx3-ubyte.gz"))
     labels = read_idx(str(MNIST / "t10k-labels-idx1-ubyte.gz"))
     order = np.random.default_rng(0).permutation(len(images))

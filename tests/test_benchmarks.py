@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from benchmarks import clean_exit, launches
 from conftest import REPO, mpi_env, mpirun_cmd, python_cmd, run, torchrun_cmd
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,6 +36,9 @@ def check_allreduce(path, world_size, mpi):
     for row in data["results"]:
         assert 0 < row["time_s"] < 1
         assert row["algbw_GBps"] == pytest.approx(row["bytes"] / row["time_s"] / 1e9)
+        # Physics, not arithmetic: every rank must at least read its buffer and write the result, so an
+        # all-reduce cannot move bytes faster than a memory copy of the same bytes on the same machine.
+        assert row["algbw_GBps"] < row["copy_GBps"], row
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor)
         assert row["copy_GBps"] > 0 and row["tcp_GBps"] > 0
         assert ("mpi_busbw_GBps" in row) == mpi
@@ -110,7 +114,6 @@ def test_clean_exit_counts_clean_runs(tmp_path):
 
 def test_clean_exit_tells_an_abort_after_a_good_exit_code_from_a_clean_run(monkeypatch):
     """What torchrun does with a worker that aborts after the summary line: exit code 0, the text says it."""
-    from benchmarks import clean_exit, launches
     fake = [sys.executable, "-c", "print('Summary: done'); print('terminate called without an active exception')"]
     monkeypatch.setitem(launches.LAUNCHES, "aborts.py", (lambda script: fake, "", ""))
     row = clean_exit.stress("aborts.py", repeats=2, timeout=60)

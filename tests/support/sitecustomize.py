@@ -1,11 +1,20 @@
-"""Test-only probe, loaded by every Python process the tests launch (tests/conftest.py puts this folder on
-PYTHONPATH): after destroy_process_group() of the default group, gloo's worker threads must be gone.
+"""Test-only probes, loaded by every Python process the tests launch (tests/conftest.py puts this folder on
+PYTHONPATH). They let a test check from outside what a script does inside, without trusting the script's
+own report. Nothing here runs for a user.
 
-If anything still holds the group when it is destroyed (a DDP model not yet freed, a library's default
-argument), its threads live on and the group is torn down later: with the GIL held when the DDP model
-goes (a hang, now and then), or during interpreter shutdown (an abort, now and then). Either happens in a
-few launches out of a hundred; this check fails the run that holds the group every time. The tests fail
-on the line it prints (README: clean exits).
+Always on:
+- After destroy_process_group() of the default group, gloo's worker threads must be gone. If anything
+  still holds the group (a DDP model not yet freed, a library's default argument), the group is torn down
+  later: with the GIL held when the holder goes (a hang, now and then), or during interpreter shutdown (an
+  abort, now and then). The probe prints a line the tests fail on (README: clean exits).
+
+On request, through the environment:
+- DDP_EXAMPLES_PROBE_COLLECTIVES=1: when the default group is destroyed, each rank prints how many
+  collectives it issued (the group's sequence number), e.g. to count DDP's gradient all-reduces.
+- DDP_EXAMPLES_PROBE_WEIGHTS=DIR: when a Hugging Face Trainer finishes train(), each rank saves its
+  model's weights to DIR/rank<R>.pt, so a test can compare the ranks' weights itself.
+- DDP_EXAMPLES_PROBE_FAKE_GPUS=N: torch reports N CUDA GPUs and NCCL, for the checks that run before any
+  GPU is touched (more ranks than GPUs).
 """
 import importlib.abc
 import importlib.util
@@ -13,6 +22,7 @@ import os
 import sys
 
 MARKER = "ddp-examples-probe: the process group outlived destroy_process_group"
+COLLECTIVES = "ddp-examples-count:"
 
 
 def gloo_worker_threads():
@@ -26,32 +36,74 @@ def gloo_worker_threads():
     return count
 
 
-class CheckDestroyProcessGroup(importlib.abc.MetaPathFinder):
-    """Wraps torch.distributed's destroy_process_group once its module has been imported."""
+def patch_c10d(module):
+    destroy = module.destroy_process_group
+
+    def checked(group=None):
+        if group is None and os.environ.get("DDP_EXAMPLES_PROBE_COLLECTIVES") and module.is_initialized():
+            issued = module._get_default_group()._get_sequence_number_for_group()
+            print(f"{COLLECTIVES} rank {module.get_rank()} issued {issued} collectives", file=sys.stderr, flush=True)
+        destroy(group)
+        left = gloo_worker_threads()
+        if group is None and left:
+            print(f"{MARKER} ({left} gloo worker threads still run: something holds the group)",
+                  file=sys.stderr, flush=True)
+
+    module.destroy_process_group = checked
+
+
+def patch_trainer(module):
+    train = module.Trainer.train
+
+    def train_and_keep_weights(self, *args, **kwargs):
+        result = train(self, *args, **kwargs)
+        import torch
+        rank = int(os.environ.get("RANK", 0))
+        torch.save(self.model.state_dict(), os.path.join(os.environ["DDP_EXAMPLES_PROBE_WEIGHTS"], f"rank{rank}.pt"))
+        return result
+
+    module.Trainer.train = train_and_keep_weights
+
+
+def patch_torch(module):
+    gpus = int(os.environ["DDP_EXAMPLES_PROBE_FAKE_GPUS"])
+    module.cuda.is_available = lambda: True
+    module.accelerator.device_count = lambda: gpus
+    module.accelerator.current_accelerator = lambda *args, **kwargs: module.device("cuda")
+    module.distributed.is_nccl_available = lambda: True
+
+
+PATCHES = {"torch.distributed.distributed_c10d": patch_c10d}
+if os.environ.get("DDP_EXAMPLES_PROBE_WEIGHTS"):
+    PATCHES["transformers.trainer"] = patch_trainer
+if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_GPUS"):
+    PATCHES["torch"] = patch_torch
+
+
+class PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs PATCHES[name](module) right after module `name` has been imported."""
 
     def find_spec(self, name, path, target=None):
-        if name != "torch.distributed.distributed_c10d":
+        if name not in PATCHES:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        patch = PATCHES.pop(name)
+        sys.meta_path.remove(self)  # find the real module, not ourselves
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            if PATCHES:
+                sys.meta_path.insert(0, self)
         execute = spec.loader.exec_module
 
         def exec_module(module):
             execute(module)
-            destroy = module.destroy_process_group
-
-            def checked(group=None):
-                destroy(group)
-                left = gloo_worker_threads()
-                if group is None and left:
-                    print(f"{MARKER} ({left} gloo worker threads still run: something holds the group)",
-                          file=sys.stderr, flush=True)
-
-            module.destroy_process_group = checked
+            if name == "torch":  # torch.distributed is imported at the end of torch's own import
+                import torch.distributed  # noqa: F401
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if sys.platform.startswith("linux"):
-    sys.meta_path.insert(0, CheckDestroyProcessGroup())
+    sys.meta_path.insert(0, PatchAfterImport())

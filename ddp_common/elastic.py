@@ -71,3 +71,14 @@ def check_launch(rank):
         print(f"warning: an elastic job (torchrun {nnodes}) without --max_restarts: a node that leaves ends the job "
               "on the other nodes too; give torchrun --max_restarts=N (each node that leaves costs one)",
               file=sys.stderr, flush=True)
+
+
+def after_lost_peers():
+    """What follows when a rank lost the others: torchrun restarts the group while it has restarts left (an
+    elastic job then goes on with the nodes that are left); otherwise it is the user's turn."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        env = os.environ
+        left = int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if left > 0:
+            return f"torchrun starts the group again, which resumes from the snapshots ({left} restarts left)"
+    return "check that every rank is alive and reachable, then start again (snapshots resume the run)"

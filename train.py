@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -139,8 +140,16 @@ class RunSpan(TrainerCallback):
         self.start_step, self.start_epoch = state.global_step, state.epoch or 0.0
 
 
-def accuracy(prediction):
-    return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+def eval_metrics(prediction):
+    """Accuracy and loss over the evaluation set, each image counted once at any world size (README: uneven
+    data). The Trainer hands over the logits and labels of all ranks with the padding that evened out the
+    ranks' shards already removed (accelerate's gather_for_metrics), so the counts are exact. Its own eval_loss
+    is not: it averages per-batch means and weighs each rank's short last batch like a full one. The "loss"
+    returned here takes its place (the Trainer prefixes it to eval_loss after setting its own)."""
+    logits, labels = torch.tensor(prediction.predictions), torch.tensor(prediction.label_ids)
+    correct = int((logits.argmax(-1) == labels).sum())
+    return {"accuracy": correct / len(labels), "loss": F.cross_entropy(logits.double(), labels).item(),
+            "correct": correct, "scored": len(labels)}
 
 
 def check_weights_identical(model, is_rank_zero):
@@ -196,7 +205,7 @@ def main():
     set_seed(training_args.seed)  # the same initial weights on every rank
     span = RunSpan()
     trainer = Trainer(model=SimpleCNN(), args=training_args, train_dataset=train_set, eval_dataset=eval_set,
-                      data_collator=collate, compute_metrics=accuracy, callbacks=[span])
+                      data_collator=collate, compute_metrics=eval_metrics, callbacks=[span])
     rank_zero = trainer.is_world_process_zero()
     if rank_zero:
         print(f"Training SimpleCNN on {len(train_set)} images, evaluating on {len(eval_set)} | "

@@ -3,6 +3,7 @@
 - ``cli``: argument types, one-line errors instead of tracebacks, the flags every training script has.
 - ``distributed``: backend and device choice, free ports, launcher detection, the summary line.
 - ``snapshot``: atomic snapshots with model, optimizer, epoch counter and RNG states.
+- ``sharding``: a sampler that puts every sample on exactly one rank; what uneven shards need around Join.
 - ``models``: the tutorial MLP, the linear classifier and SimpleCNN.
 - ``data``: deterministic synthetic datasets and an MNIST IDX reader.
 - ``hf_data``: MNIST as a ``datasets`` dataset (Hub, IDX files or save_to_disk) and its collate function.

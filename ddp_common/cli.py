@@ -31,6 +31,16 @@ def positive_int(text):
     return value
 
 
+def non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def positive_float(text):
     try:
         value = float(text)
@@ -111,6 +121,19 @@ def add_linear_args(parser, input_size=100):
     parser.add_argument("--input_size", type=positive_int, default=input_size,
                         help=f"features per sample (default {input_size})")
     parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
+
+
+def add_comm_hook_args(parser, several=False):
+    """--comm_hook (with several=True, a list of hooks to compare) and PowerSGD's settings."""
+    from ddp_common.comm_hooks import HOOKS
+    parser.add_argument("--comm_hook", choices=HOOKS, nargs="+" if several else None,
+                        default=["none"] if several else "none",
+                        help="what DDP sends per step: none (fp32 gradients), fp16 or bf16 (gradients cast to "
+                             "16 bits), powersgd (low-rank factors of each gradient matrix); default none")
+    parser.add_argument("--powersgd_rank", type=positive_int, default=1,
+                        help="powersgd: rank of the factors; higher sends more and keeps more (default 1)")
+    parser.add_argument("--powersgd_warmup", type=positive_int, default=10,
+                        help="powersgd: plain all-reduce steps before compressing, at least 2 (default 10)")
 
 
 SPEAKER_WAIT_S = 5.0

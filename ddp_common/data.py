@@ -29,12 +29,23 @@ def regression_dataset(size=2048, input_size=20, seed=0, noise=0.05):
 def classification_dataset(size=4096, input_size=100, seed=0, label_noise=0.05):
     """Two classes split by a fixed hidden hyperplane, with a fraction `label_noise` of labels flipped:
     a linear classifier can reach about 1 - label_noise accuracy, chance is 0.5."""
+    return classification_splits(size, 0, input_size, seed, label_noise)[0]
+
+
+def classification_splits(size, held_out, input_size=100, seed=0, label_noise=0.05):
+    """(training set, held-out set) of the same problem. The training set is classification_dataset(size, ...)
+    to the bit; the `held_out` samples are drawn after it from the same generator, so none of them is in it."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(size, input_size, generator=generator)
     direction = torch.randn(input_size, generator=generator)
-    labels = (x @ direction > 0).long()
-    flip = torch.rand(size, generator=generator) < label_noise
-    return TensorDataset(x, torch.where(flip, 1 - labels, labels))
+
+    def labelled(x):
+        labels = (x @ direction > 0).long()
+        flip = torch.rand(len(x), generator=generator) < label_noise
+        return TensorDataset(x, torch.where(flip, 1 - labels, labels))
+
+    train = labelled(x)
+    return train, labelled(torch.randn(held_out, input_size, generator=generator))
 
 
 # MNIST as LeCun published it, and as torchvision stores it under MNIST/raw/.
@@ -92,6 +103,26 @@ def load_mnist(data_dir, split):
         raise UsageError(f"{paths[1]} has {len(labels)} labels for the {len(images)} images of {paths[0]}; "
                          "the files do not belong together")
     return images, labels.astype(np.int64)
+
+
+MEAN, STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to 0..1
+
+
+def mnist_pixels(images):
+    """uint8 images (N, 28, 28) in a numpy array -> normalised float32 (N, 1, 28, 28), as SimpleCNN takes them."""
+    pixels = torch.from_numpy(np.require(images, requirements="W")).reshape(len(images), 1, 28, 28)
+    return (pixels.float() / 255 - MEAN) / STD
+
+
+def mnist_test_split(data_dir, train_size=8000):
+    """The official MNIST test set (its two t10k files in data_dir) split at random, seed 0, into `train_size`
+    images to train on and the rest to evaluate on, as (train, held-out) TensorDatasets of normalised images:
+    the 8,000 / 2,000 split of the tests (tests/conftest.py, mnist_dir)."""
+    images, labels = load_mnist(data_dir, "test")
+    order = np.random.default_rng(0).permutation(len(images))
+    x, y = mnist_pixels(images), torch.from_numpy(labels)
+    train, held_out = torch.from_numpy(order[:train_size]), torch.from_numpy(order[train_size:])
+    return TensorDataset(x[train], y[train]), TensorDataset(x[held_out], y[held_out])
 
 
 def write_idx(path, array):

@@ -134,6 +134,13 @@ def group_store(rank, world_size, timeout):
         time.sleep(0.1)
 
 
+def optimizer_state_bytes(optimizer):
+    """Bytes of the tensors in the optimizer state this rank holds: its shard under ZeroRedundancyOptimizer."""
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if torch.is_tensor(value))
+
+
 def summary_line(epochs, steps, final_loss, samples, wall_s, world_size=None, backend=None):
     """The line every training script ends with, so runs can be compared at a glance. The world size and
     backend default to the process group's (1 and none without one)."""

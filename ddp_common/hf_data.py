@@ -10,10 +10,9 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from huggingface_hub import constants, get_session
 
 from ddp_common.errors import UsageError, one_line
-from ddp_common.data import load_mnist
+from ddp_common.data import MEAN, STD, load_mnist, mnist_pixels  # noqa: F401 (MEAN, STD: for the tests)
 
 HUB_DATASET = "ylecun/mnist"
-MEAN, STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to 0..1
 GET_THE_DATA = ("give --data_dir DIR with the four MNIST IDX files (train-images-idx3-ubyte[.gz], "
                 "train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]) "
                 "or a DatasetDict written by save_to_disk")
@@ -76,6 +75,5 @@ def _from_idx(data_dir, split):
 
 def collate(rows):
     """Rows of the DatasetDict -> {"image": float (B, 1, 28, 28), normalised, "labels": int64 (B)}."""
-    pixels = torch.from_numpy(np.stack([row["image"] for row in rows]).reshape(len(rows), 1, 28, 28))
     labels = torch.tensor(np.array([row["label"] for row in rows]), dtype=torch.int64)
-    return {"image": (pixels.float() / 255 - MEAN) / STD, "labels": labels}
+    return {"image": mnist_pixels(np.stack([row["image"] for row in rows])), "labels": labels}

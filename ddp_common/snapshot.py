@@ -24,12 +24,23 @@ from ddp_common.errors import UsageError, one_line
 FORMAT = "ddp-examples-snapshot-v1"
 
 
+def savable_numpy_state(state):
+    """A numpy generator's get_state() in types that weights_only loading accepts: the MT19937 keys, a numpy
+    array, travel as a tensor."""
+    name, keys, *rest = state
+    return (name, torch.from_numpy(keys.astype(np.int64)), *rest)
+
+
+def numpy_state(saved):
+    """The inverse of savable_numpy_state, for set_state()."""
+    name, keys, *rest = saved
+    return (name, keys.numpy().astype(np.uint32), *rest)
+
+
 def rng_states():
-    numpy_state = np.random.get_state()
     return {
         "python": random.getstate(),
-        # weights_only loading accepts tensors but not numpy arrays, so the MT19937 keys travel as a tensor.
-        "numpy": (numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:]),
+        "numpy": savable_numpy_state(np.random.get_state()),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -37,8 +48,7 @@ def rng_states():
 
 def set_rng_states(states):
     random.setstate(states["python"])
-    name, keys, *rest = states["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    np.random.set_state(numpy_state(states["numpy"]))
     torch.set_rng_state(states["torch"])
     if states["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
@@ -59,8 +69,9 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None):
-    """Write a snapshot atomically: a reader, or the next start after a crash, sees the old or the new one."""
+def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, **extra):
+    """Write a snapshot atomically: a reader, or the next start after a crash, sees the old or the new one.
+    `extra` entries (a script's own state, e.g. its communication hook's) are stored beside the others."""
     state = {
         "format": FORMAT,
         "epochs_run": epochs_run,
@@ -71,6 +82,7 @@ def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None):
         "rng": rng_states(),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "run": run_id(),
+        **extra,
     }
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)

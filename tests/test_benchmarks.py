@@ -73,27 +73,36 @@ def test_allreduce_bad_input_is_one_line(args, message):
 
 
 def test_scaling_quick_writes_efficiencies(tmp_path):
+    """Plain DDP and DDP with PowerSGD side by side. SimpleCNN has two gradient buckets: torch's PowerSGD hook
+    deadlocks gloo's two worker threads when both compress at once, unless ddp_common.comm_hooks runs them one
+    after the other (a hang fails the launch's timeout)."""
     result = run([sys.executable, REPO / "benchmarks/scaling.py", "--quick", "--world_sizes", "1", "2",
-                  "--models", "cnn", "--out", tmp_path], cwd=REPO, timeout=180)
+                  "--models", "cnn", "--comm_hook", "none", "powersgd", "--powersgd_warmup", "2", "--out", tmp_path],
+                 cwd=REPO, timeout=180)
     data = json.loads((tmp_path / "scaling.json").read_text())
     assert_machine(data, "gloo", None)
     assert data["threads_per_rank"] == 1 and data["world_sizes"] == [1, 2]
-    rows = {(r["model"], r["world_size"]): r for r in data["results"]}
-    assert set(rows) == {("cnn", 1), ("cnn", 2)}
-    for (model, n), r in rows.items():
-        one = rows[(model, 1)]
+    rows = {(r["setting"], r["world_size"]): r for r in data["results"]}
+    assert set(rows) == {("ddp", 1), ("ddp", 2), ("ddp+powersgd", 1), ("ddp+powersgd", 2)}
+    for (setting, n), r in rows.items():
+        one = rows[(setting, 1)]
         assert r["ddp_samples_per_s"] > 0 and r["independent_samples_per_s"] > 0
         assert r["scaling_efficiency"] == pytest.approx(r["ddp_samples_per_s"] / (n * one["ddp_samples_per_s"]))
         assert r["ceiling_scaling_efficiency"] == pytest.approx(
             r["independent_samples_per_s"] / (n * one["independent_samples_per_s"]))
         assert r["ddp_vs_ceiling"] == pytest.approx(r["ddp_samples_per_s"] / r["independent_samples_per_s"])
         assert (r["ddp_overhead"] is None) == (n != 1)
-    assert rows[("cnn", 1)]["batch_per_rank"] == 64
+        assert 0 <= r["accuracy"] <= 1  # after --quick's 3 steps: only that it was measured
+    assert rows[("ddp", 1)]["batch_per_rank"] == 64
+    # SimpleCNN's 421,642 fp32 gradients; PowerSGD sends rank-1 factors of the matrices and the vectors whole.
+    assert rows[("ddp", 2)]["bytes_per_step"] == 421_642 * 4
+    assert 0 < rows[("ddp+powersgd", 2)]["bytes_per_step"] < rows[("ddp", 2)]["bytes_per_step"] / 10
     targets = {t["target"]: t for t in data["targets"]}
-    assert len(targets) == 2 and all(isinstance(t["pass"], bool) for t in targets.values())
+    assert len(targets) == 3 and all(isinstance(t["pass"], bool) for t in targets.values())
     for t in targets.values():
         assert ("PASS" if t["pass"] else "MISS") + ": " + t["target"] in result.stdout
     assert_png(tmp_path / "scaling.png")
+    assert_png(tmp_path / "scaling-comm.png")
 
 
 def test_startup_times_a_script_to_its_first_epoch(tmp_path):

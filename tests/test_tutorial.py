@@ -72,10 +72,12 @@ def test_torchrun_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
 
 
 def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(tmp_path):
-    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", "--batch_size", "16",
-                     "--snapshot_path", "ddp.pt"), cwd=tmp_path)
-    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", "--batch_size", "32",
-                     "--snapshot_path", "single.pt", nproc=1), cwd=tmp_path)
+    two = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", "--batch_size", "16",
+                           "--snapshot_path", "ddp.pt"), cwd=tmp_path).stdout
+    one = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", "--batch_size", "32",
+                           "--snapshot_path", "single.pt", nproc=1), cwd=tmp_path).stdout
+    # The printed loss is the mean over both ranks' batches, so it is the one-process loss, not rank 0's half.
+    assert epoch_losses(two) == pytest.approx(epoch_losses(one), rel=1e-4) and len(epoch_losses(one)) == 2
     ddp, single = load_snapshot(tmp_path / "ddp.pt")["model"], load_snapshot(tmp_path / "single.pt")["model"]
     torch.manual_seed(0)
     initial = MLP(input_size=20).state_dict()

@@ -1,0 +1,103 @@
+"""Shards in which every sample is on exactly one rank, and what training on shards of unequal length needs.
+
+DistributedSampler gives every rank a shard of the same length: it pads the last shards with samples from
+the start of the dataset (or, with drop_last=True, leaves the tail out). Equal shards keep the ranks' collectives
+in step, which training needs; but a metric summed over padded shards counts some samples twice, and one over
+shortened shards skips some, so either changes with the world size (README: uneven data).
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from ddp_common.cli import is_transport_error
+from ddp_common.errors import PeerLostError
+
+
+def shard_sizes(size, world_size, uneven=False):
+    """How many of `size` samples each rank gets. Even: dealt round-robin, so shards differ by at most one.
+    Uneven: shares proportional to rank + 1 (rank 1 twice rank 0's, ...), the last rank taking the remainder."""
+    if not uneven:
+        return [len(range(rank, size, world_size)) for rank in range(world_size)]
+    weights = range(1, world_size + 1)
+    sizes = [size * weight // sum(weights) for weight in weights]
+    sizes[-1] += size - sum(sizes)
+    return sizes
+
+
+class ShardSampler(Sampler):
+    """This rank's indices of `dataset`: every index on exactly one rank, with no padding and no dropped tail.
+
+    Dealt round-robin as DistributedSampler deals them (rank r takes r, r + world_size, ...), or with
+    uneven=True in contiguous pieces of shard_sizes(..., uneven=True). shuffle: a new order every epoch
+    (set_epoch), from seed and epoch, the same on every rank; without it the dataset's own order."""
+
+    def __init__(self, dataset, rank, world_size, shuffle=False, seed=0, uneven=False):
+        self.size, self.rank, self.world_size = len(dataset), rank, world_size
+        self.shuffle, self.seed, self.uneven = shuffle, seed, uneven
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.size)
+        if not self.uneven:
+            return iter(order[self.rank::self.world_size].tolist())
+        sizes = shard_sizes(self.size, self.world_size, uneven=True)
+        start = sum(sizes[:self.rank])
+        return iter(order[start:start + sizes[self.rank]].tolist())
+
+    def __len__(self):
+        return shard_sizes(self.size, self.world_size, self.uneven)[self.rank]
+
+
+def last_to_finish(batches_per_rank):
+    """The rank whose model Join hands to the others when every rank has run out of batches: of those with the
+    most batches (they join last), the highest, as DistributedDataParallel picks it."""
+    most = max(batches_per_rank)
+    return max(rank for rank, batches in enumerate(batches_per_rank) if batches == most)
+
+
+def broadcast_training_state(source, optimizer, scaler=None):
+    """Copy rank `source`'s optimizer (and gradient scaler) state to every rank, after Join.
+
+    Join leaves the weights equal: it broadcasts the model of the rank that finished last. It does not touch
+    the optimizers: a rank that ran out of batches early skipped the steps the others took after it, so its
+    momentum buffers are stale, its next epoch would move its weights away from the others', and a snapshot
+    (rank 0's) would not hold the state the run goes on with."""
+    rank = dist.get_rank()
+    box = [{"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None}
+           if rank == source else None]
+    dist.broadcast_object_list(box, src=source)
+    if rank != source:
+        optimizer.load_state_dict(box[0]["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(box[0]["scaler"])
+
+
+@contextlib.contextmanager
+def without_join(batches_per_rank, timeout):
+    """Train uneven shards without Join, to see what that comes to, and stop with one line that says so.
+
+    A rank that runs out of batches goes on to the epoch's next collective while the others are still in
+    their gradient all-reduces. gloo pairs collectives by their order, so that all-reduce would meet a gradient
+    bucket of another size and abort the process (SIGABRT, "Received data size doesn't match expected size");
+    NCCL does not check sizes. Here the early rank waits at a barrier instead (gloo keeps barriers apart from
+    all-reduces): the others wait for an all-reduce it never joins, and every rank stops after --timeout."""
+    try:
+        yield
+        dist.barrier()
+    except (dist.DistError, RuntimeError) as error:
+        if not isinstance(error, dist.DistError) and not is_transport_error(error):
+            raise
+        seconds = timeout.total_seconds()
+        raise PeerLostError(
+            f"the ranks have different numbers of batches ({', '.join(map(str, batches_per_rank))}, ranks 0 to "
+            f"{len(batches_per_rank) - 1}) and train without Join: the ranks with more batches waited --timeout "
+            f"{seconds:g}s for an all-reduce that the others never joined; train with Join "
+            "(leave out --no_join), or give every rank the same number of batches (DistributedSampler)") from None

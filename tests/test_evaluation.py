@@ -1,0 +1,141 @@
+"""Uneven data: evaluation that counts every held-out sample once at any world size (torchrun_ddp.py and
+train.py's Trainer), training on shards of different lengths with Join, and what happens without it."""
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (assert_bitwise_equal, assert_one_line_error, epoch_lines, load_snapshot, python_cmd, run,
+                      summary, torchrun_cmd)
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_common.data import classification_splits
+from ddp_common.models import LinearClassifier
+
+SMALL = ("--input_size", "20")
+TRAIN_SIZE, EVAL_SIZE = 4096, 1001  # torchrun_ddp.py's; neither 2 nor 3 divides 1001
+EVAL_LINE = re.compile(r"^Eval \| epochs (\d+) \| loss ([\d.]+) \| accuracy ([\d.]+) \| (\d+) of (\d+) correct$", re.M)
+
+
+def evaluations(stdout):
+    """Every `Eval` line as (epochs, loss, correct, samples), checking that its accuracy is correct / samples."""
+    found = []
+    for epochs, loss, accuracy, correct, samples in EVAL_LINE.findall(stdout):
+        assert float(accuracy) == pytest.approx(int(correct) / int(samples), abs=5e-5)
+        found.append((int(epochs), float(loss), int(correct), int(samples)))
+    assert found, stdout[-3000:]
+    return found
+
+
+def held_out_logits(state):
+    """The snapshot's model on the whole held-out set, in this process: the figure to match."""
+    _, eval_set = classification_splits(TRAIN_SIZE, EVAL_SIZE, input_size=20, seed=0)
+    model = LinearClassifier(20)
+    model.load_state_dict(state["model"])
+    x, y = eval_set.tensors
+    with torch.no_grad():
+        return model(x), y
+
+
+@pytest.fixture(scope="module")
+def uneven_run(tmp_path_factory):
+    """torchrun_ddp.py --uneven (with Join) for 2 epochs at 2 ranks: (folder, stdout). Two tests use it."""
+    folder = tmp_path_factory.mktemp("uneven")
+    result = run(torchrun_cmd("torchrun_ddp.py", "--uneven", "--epochs", "2", "--snapshot_path", "uneven.pt",
+                              "--replica_dir", "replicas", *SMALL), cwd=folder)
+    return folder, result.stdout
+
+
+def test_evaluation_is_the_same_at_world_sizes_1_2_3(uneven_run, tmp_path):
+    """Trained at 2 ranks (the Join run's model), the snapshot's model scored at 1, 2 and 3 ranks: the same counts,
+    every one of the 1001 samples once, and the same figure as one process scoring the whole set here. The
+    sampler the tutorial advises (DistributedSampler) pads 1001 samples to 1002 at both 2 and 3 ranks, and its
+    figure differs."""
+    folder, stdout = uneven_run
+    assert [e[0] for e in evaluations(stdout)] == [1, 2]  # after every epoch
+    figures = {2: evaluations(stdout)[-1]}  # after epoch 2: the snapshot's weights
+    for world_size in (1, 3):
+        result = run(torchrun_cmd("torchrun_ddp.py", "--evaluate", "--snapshot_path", folder / "uneven.pt", *SMALL,
+                                  nproc=world_size), cwd=tmp_path)
+        (figures[world_size],) = evaluations(result.stdout)
+        assert not epoch_lines(result.stdout), "--evaluate must not train"
+    state = load_snapshot(folder / "uneven.pt")
+    logits, labels = held_out_logits(state)
+    correct = int((logits.argmax(1) == labels).sum())
+    loss = F.cross_entropy(logits, labels).item()
+    for world_size, (epochs, reported_loss, reported_correct, samples) in figures.items():
+        assert (epochs, reported_correct, samples) == (2, correct, EVAL_SIZE), world_size
+        assert reported_loss == pytest.approx(loss, abs=2e-6), world_size  # printed with 6 decimals
+
+    # The trap: DistributedSampler evens the shards out by repeating samples, so the sum counts them twice.
+    hits = (logits.argmax(1) == labels).tolist()
+    for world_size in (2, 3):
+        shards = [list(DistributedSampler(range(EVAL_SIZE), world_size, rank, shuffle=False))
+                  for rank in range(world_size)]
+        scored = [index for shard in shards for index in shard]
+        assert len(scored) == 1002 and len(set(scored)) == EVAL_SIZE
+        padded_accuracy = sum(hits[index] for index in scored) / len(scored)
+        assert padded_accuracy != correct / EVAL_SIZE
+
+
+def test_uneven_shards_train_with_join(uneven_run):
+    """Rank 1 has twice rank 0's batches: with Join both finish every epoch and end with the same weights
+    and the same optimizer state (Join only re-syncs the weights; the script copies the optimizer state of the
+    rank that finished last), which is what the snapshot holds."""
+    folder, stdout = uneven_run
+    # 4096 samples dealt 1:2 are 1365 and 2731, in batches of 64.
+    assert "Uneven shards: 22, 43 batches on ranks 0 to 1 | Join" in stdout
+    epochs = epoch_lines(stdout)
+    assert len(epochs) == 2 and summary(stdout).world_size == 2
+    assert [line.samples for line in epochs] == [TRAIN_SIZE, TRAIN_SIZE]  # both ranks' shards, every sample once
+    replicas = [torch.load(folder / "replicas" / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert_bitwise_equal(replicas[0], replicas[1], "rank 0 vs rank 1")
+    snapshot = load_snapshot(folder / "uneven.pt")
+    assert_bitwise_equal(snapshot["model"], replicas[1]["model"], "model")
+    assert_bitwise_equal(snapshot["optimizer"], replicas[1]["optimizer"], "optimizer")
+    assert evaluations(stdout)[-1][2] > 0.85 * EVAL_SIZE  # it learned (chance 0.5, label noise 5%)
+
+
+def test_uneven_shards_without_join_stop_at_the_timeout(tmp_path):
+    """Without Join the rank that runs out first waits for the others, they for an all-reduce it never joins:
+    every rank stops after --timeout with the same line, and nothing aborts or hangs (run() fails the test on
+    "terminate called" or SIGABRT, and when the launch outlives its own timeout)."""
+    result = run(torchrun_cmd("torchrun_ddp.py", "--uneven", "--no_join", "--timeout", "5", "--epochs", "2",
+                              "--snapshot_path", "uneven.pt", *SMALL), cwd=tmp_path, check=False, timeout=120)
+    assert_one_line_error(result, "different numbers of batches (22, 43, ranks 0 to 1)", "waited --timeout 5s",
+                          "leave out --no_join", code=1)
+    assert not epoch_lines(result.stdout) and not (tmp_path / "uneven.pt").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--no_join"], "--no_join only matters with --uneven"),
+    (["--evaluate", "--snapshot_path", "absent.pt"], "--evaluate: no snapshot at absent.pt to evaluate"),
+])
+def test_bad_evaluation_and_join_flags(tmp_path, args, expected):
+    result = run(python_cmd("torchrun_ddp.py", *args), cwd=tmp_path, check=False, timeout=60)
+    assert_one_line_error(result, expected)
+
+
+def test_trainer_evaluation_counts_each_image_once(mnist_dir, tmp_path):
+    """train.py at 3 ranks on 1001 evaluation images (3 does not divide it): the Trainer's figures are those of
+    one process scoring the saved model on all 1001 here, each image once: accuracy as a count, and the loss
+    (train.py's own, in place of the Trainer's per-batch average)."""
+    from safetensors.torch import load_file
+
+    from ddp_common.hf_data import collate, load_mnist_splits
+    from ddp_common.models import SimpleCNN
+    run(torchrun_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", tmp_path / "out", "--max_train_samples",
+                     "384", "--max_eval_samples", str(EVAL_SIZE), "--num_train_epochs", "1", "--disable_tqdm", "True",
+                     nproc=3), cwd=tmp_path, timeout=600)
+    metrics = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    model = SimpleCNN()
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    splits = load_mnist_splits(str(mnist_dir))
+    batch = collate([splits["test"][i] for i in range(EVAL_SIZE)])
+    with torch.no_grad():
+        logits = model(batch["image"])["logits"]
+    correct = int((logits.argmax(-1) == batch["labels"]).sum())
+    assert (metrics["eval_scored"], metrics["eval_correct"]) == (EVAL_SIZE, correct)
+    assert metrics["eval_accuracy"] == correct / EVAL_SIZE
+    assert metrics["eval_loss"] == pytest.approx(F.cross_entropy(logits.double(), batch["labels"]).item(), abs=1e-5)

@@ -6,8 +6,11 @@
     # two "nodes" on one machine, 2 CPU processes each, a snapshot each (README: several machines):
     torchrun --nnodes=2 --nproc_per_node=2 --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29603 \
         multinode.py 50 10 --snapshot_path node0.pt     # and the same with node1.pt in a second shell
+    # elastic: 1 to 2 nodes, which may join and leave while it runs (README: elastic training):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc_per_node=2 --max_restarts=3 --rdzv_id=job43 \
+        --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29604 multinode.py 50 1 --snapshot_path node0.pt  # node1.pt
 
-Every node keeps a snapshot on its own disk; at start all ranks resume from the newest one any node holds.
+Every node keeps a snapshot on its own disk; all ranks resume from the newest one any node holds, at any world size.
 Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
 `diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py.
 """
@@ -38,9 +41,9 @@ class Trainer:
         self.logs = dist.get_rank() == 0  # all ranks hold the same model: rank 0 speaks for all
         self.saves = int(os.environ["LOCAL_RANK"]) == 0  # but every node keeps a snapshot on its own disk
         # Each node resumes from its own disk, and all must start from the same state: the newest wins.
-        self.epochs_run, note = snapshot.load_newest(snapshot_path, self.model, self.optimizer)
-        if self.epochs_run:
-            self.log(f"Resuming from {snapshot_path} at epoch {self.epochs_run}" + (f" ({note})" if note else ""))
+        self.epochs_run, notes = snapshot.load_newest(snapshot_path, self.model, self.optimizer)
+        for note in notes:  # where it resumes from, and a world size that changed (README: elastic training)
+            self.log(note)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
     def _run_batch(self, source, targets):

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddp_common.elastic import after_lost_peers
 from ddp_common.errors import CheckFailed, PeerLostError, UsageError, one_line
 
 
@@ -168,8 +169,7 @@ def run(main, *args, **kwargs):
         if not isinstance(error, dist.DistError) and not is_transport_error(error):
             traceback.print_exc()
             exit_now(1)
-        exit_now(1, f"lost contact with the other ranks ({one_line(error)}); check that every rank is alive and "
-                    "reachable, then start again (snapshots resume the run)")
+        exit_now(1, f"lost contact with the other ranks ({one_line(error)}); {after_lost_peers()}")
     except KeyboardInterrupt:
         exit_now(130, "interrupted")
     except Exception:

@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ddp_common.elastic import check_launch
 from ddp_common.errors import PeerLostError, UsageError
 
 BACKENDS = ("nccl", "gloo", "mpi")
@@ -90,7 +91,6 @@ STALE_CHECK_S = 3.0  # how long one try to reach a posted store may take before 
 
 
 def group_store(rank, world_size, timeout):
-    timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     """A key-value store of this process group's own, for init_process_group(store=...), under torchrun;
     None elsewhere (init_process_group then reads MASTER_ADDR and MASTER_PORT itself).
 
@@ -100,7 +100,12 @@ def group_store(rank, world_size, timeout):
     since each node counts its own restarts. So rank 0 hosts a fresh store for every group and posts its
     address with a random token in torchrun's store. A stale post is told apart by itself: the previous
     group's rank 0 is dead, so nothing answers at its address, or another store does, with another token.
+
+    In an elastic job (torchrun --nnodes=MIN:MAX) the shared store hangs a node that joins later, before any
+    worker runs: every worker checks its launch first and stops with the fix (ddp_common.elastic).
     """
+    check_launch(rank)
+    timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     # Not under torchrun, or under it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store each time.
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None

@@ -4,11 +4,16 @@ A snapshot holds everything the next epoch depends on: model and optimizer state
 gradient scaler where a script uses them), the number of epochs completed, and the RNG states of
 python, numpy and torch (CPU and CUDA). It is written to a temporary file, flushed to disk and renamed
 over the old one, so a crash leaves either the old or the new snapshot, never half of one.
+
+Two fields say where it comes from without changing what resumes: the world size it was saved at (training
+resumes at any size), and the id of its training run, made at a fresh start and handed on by every resume,
+so that snapshots of two different runs are never mixed. Snapshots written before either field still load.
 """
 import glob
 import os
 import random
 import socket
+import uuid
 
 import numpy as np
 import torch
@@ -49,6 +54,16 @@ def set_rng_states(states):
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+_run_id = None  # this process's training run: adopted from the snapshot it resumed, or made at its first save
+
+
+def run_id():
+    global _run_id
+    if _run_id is None:
+        _run_id = uuid.uuid4().hex
+    return _run_id
+
+
 def unwrap(model):
     """The model inside DDP or DataParallel, so snapshot keys carry no `module.` prefix."""
     return getattr(model, "module", model)
@@ -65,6 +80,8 @@ def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, **extr
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": rng_states(),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "run": run_id(),
         **extra,
     }
     directory = os.path.dirname(os.path.abspath(path))
@@ -124,7 +141,8 @@ def read(path):
 
 def restore(state, path, model, optimizer, scheduler=None, scaler=None):
     """Put a snapshot read from `path` into model, optimizer (and scheduler, scaler) and the RNGs; return the
-    epochs it completed. One of another model or other flags is a UsageError."""
+    epochs it completed. One of another model or other flags is a UsageError. The next saves carry on its run."""
+    global _run_id
     try:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -137,6 +155,7 @@ def restore(state, path, model, optimizer, scheduler=None, scaler=None):
                          "it belongs to another model or flags: move it away or pass another --snapshot_path"
                          ) from None
     set_rng_states(state["rng"])
+    _run_id = state.get("run") or _run_id  # a snapshot older than the field: its next save starts a run id
     return state["epochs_run"]
 
 
@@ -148,33 +167,60 @@ def load(path, model, optimizer, scheduler=None, scaler=None):
 
 def load_newest(path, model, optimizer, scheduler=None, scaler=None):
     """Every rank calls this, each with the snapshot on its own node's disk at `path`: all ranks resume from
-    the newest snapshot that any of them holds, sent by its holder to the others. Returns (epochs, note),
-    where note says what happened when the ranks' snapshots differed (None when they all agreed).
+    the newest snapshot that any of them holds, sent by its holder to the others. Returns (epochs, notes):
+    lines for rank 0 to print, saying where training resumes from and whether the world size changed.
 
-    Snapshots differ when a node died between two saves, or a node joins with an older snapshot or none;
-    training on from each node's own would average gradients of different models. An unreadable snapshot
-    on any rank stops every rank with the same error (one rank alone stopping would leave the others
-    waiting in the next collective until the timeout)."""
+    Snapshots of one run differ when a node died between two saves, or joins an elastic job with an older
+    snapshot or none (README: elastic training): training on from each node's own would average gradients
+    of different models. Snapshots of two different runs are a mistake, never mixed: every rank stops with
+    the same error, and so it does for an unreadable snapshot on any rank (one rank alone stopping would
+    leave the others waiting in the next collective until the timeout)."""
+    global _run_id
     try:
         state, problem = read(path), None
     except UsageError as error:
         state, problem = None, str(error)
+    mine = (state["epochs_run"], state.get("run"), state.get("world_size")) if state else (0, None, None)
     held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, (state["epochs_run"] if state else 0, problem))
-    problems = [(rank, text) for rank, (_, text) in enumerate(held) if text]
+    # uuid4: a run id for a fresh start, rank 0's for all, so that every node's saves carry the same one.
+    dist.all_gather_object(held, (*mine, path, problem, uuid.uuid4().hex))
+    problems = [(rank, text) for rank, (*_, text, _) in enumerate(held) if text]
     if problems:
         rank, text = problems[0]
         raise UsageError(f"{text} (on rank {rank})")
-    epochs = [count for count, _ in held]
-    newest = max(epochs)
+    check_one_run(held)
+    epochs = [count for count, *_ in held]
+    newest, notes = max(epochs), []
     if newest == 0:
-        return 0, None
-    note = None
-    if min(epochs) != newest:
-        source = epochs.index(newest)
+        _run_id = held[0][-1]
+        return 0, notes
+    source = epochs.index(newest)
+    if min(epochs) == newest:
+        notes.append(f"Resuming from {path} at epoch {newest}")
+    else:
         box = [state if dist.get_rank() == source else None]
         dist.broadcast_object_list(box, src=source)
         state = box[0]
-        note = (f"the ranks' snapshots held {min(epochs)} to {newest} epochs: every rank resumes from the newest, "
-                f"rank {source}'s")
-    return restore(state, path, model, optimizer, scheduler, scaler), note
+        oldest = min(epochs) or "none"
+        notes.append(f"Resuming from {held[source][3]} of rank {source} at epoch {newest}, the newest snapshot, sent "
+                     f"to every rank (the ranks held from {oldest} to {newest} epochs)")
+    epochs_run = restore(state, path, model, optimizer, scheduler, scaler)
+    _run_id = state.get("run") or held[0][-1]
+    saved_at, world_size = held[source][2], dist.get_world_size()
+    if saved_at is not None and saved_at != world_size:
+        notes.append(f"World size {saved_at} -> {world_size} at epoch {epochs_run}")
+    return epochs_run, notes
+
+
+def check_one_run(held):
+    """Stop if the ranks hold snapshots of different training runs; `held`: each rank's (epochs, run, world
+    size, path, ...)."""
+    runs = {}
+    for rank, (epochs, run, _, path, *_) in enumerate(held):
+        if run is not None:
+            runs.setdefault(run, (rank, epochs, path))
+    if len(runs) > 1:
+        (rank_a, epochs_a, path_a), (rank_b, epochs_b, path_b) = list(runs.values())[:2]
+        raise UsageError(f"the snapshots come from two different training runs: {path_a} on rank {rank_a} "
+                         f"({epochs_a} epochs) and {path_b} on rank {rank_b} ({epochs_b} epochs); keep this job's "
+                         "snapshots and move the others away, or move all away to start afresh")

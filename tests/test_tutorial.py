@@ -95,7 +95,7 @@ def multinode_agents(cwd, port, *args):
     return [agent.returncode for agent in agents], outputs
 
 
-def test_multinode_two_agents_form_one_job_and_resume_from_the_newest_node_snapshot(tmp_path):
+def test_multinode_two_agents_form_one_job_and_refuse_a_snapshot_of_another_run(tmp_path):
     codes, outputs = multinode_agents(tmp_path, free_port(), "--total_epochs", "4", "--save_every", "2")
     assert codes == [0, 0], outputs
     both = "".join(outputs)
@@ -103,20 +103,24 @@ def test_multinode_two_agents_form_one_job_and_resume_from_the_newest_node_snaps
     assert summary(both).world_size == 4
     node0, node1 = load_snapshot(tmp_path / "node0.pt"), load_snapshot(tmp_path / "node1.pt")
     assert_bitwise_equal(node0["model"], node1["model"], "node snapshots")
+    assert node0["run"] == node1["run"], "both nodes' snapshots belong to the same run"
 
-    # Node 1 loses its disk and gets an older snapshot: training on from each node's own would mix two models.
-    # Every rank resumes from the newest (node 0's), and both nodes end with the same snapshot.
+    # Node 1 gets a snapshot of another training run: resuming from either would lose the other (the next
+    # saves overwrite it), so every rank stops with the same line and both snapshots stay as they were.
+    # (Snapshots of one run that differ, a node with an older one or none: tests/test_elastic.py.)
     (tmp_path / "node1.pt").unlink()
     run(python_cmd("multigpu.py", "--world_size", "1", "--total_epochs", "2", "--snapshot_path", "node1.pt"),
         cwd=tmp_path, env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    before = [(tmp_path / f"node{n}.pt").read_bytes() for n in (0, 1)]
     codes, outputs = multinode_agents(tmp_path, free_port(), "--total_epochs", "6", "--save_every", "2")
-    assert codes == [0, 0], outputs
-    both = "".join(outputs)
-    assert "Resuming from node0.pt at epoch 4 (the ranks' snapshots held 2 to 4 epochs: every rank resumes" in both
-    assert epochs(both) == [4, 5]
-    node0, node1 = load_snapshot(tmp_path / "node0.pt"), load_snapshot(tmp_path / "node1.pt")
-    assert node0["epochs_run"] == node1["epochs_run"] == 6
-    assert_bitwise_equal(node0["model"], node1["model"], "node snapshots")
+    assert codes == [1, 1], outputs
+    for out in outputs:
+        errors = {line for line in out.splitlines() if line.startswith("error: ")}
+        assert errors == {"error: the snapshots come from two different training runs: node0.pt on rank 0 (4 epochs) "
+                          "and node1.pt on rank 2 (2 epochs); keep this job's snapshots and move the others away, or "
+                          "move all away to start afresh"}, out
+        assert not epoch_lines(out)
+    assert [(tmp_path / f"node{n}.pt").read_bytes() for n in (0, 1)] == before
 
 
 # ---- bad input: one line, non-zero exit, in seconds, no snapshot lost ----

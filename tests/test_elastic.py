@@ -1,0 +1,206 @@
+"""Elastic training: multinode.py under torchrun --nnodes=1:2, with nodes that join and leave a running job.
+
+torchrun agents on 127.0.0.1 play the nodes, one process each: world size 1 alone, 2 together. Every wait is
+on a file or a process state. Where training could run on past the change a test waits for, the test holds a
+node's worker still with SIGSTOP, as a slow machine would, and lets it go on (SIGCONT) once the change is
+under way: when torchrun has sent it SIGTERM to re-form the group, or when the other node is dead.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish,
+                      free_port, launched_pids, load_snapshot, start, summary)
+from test_reliability import kill_tree, torchrun_worker, wait_for
+
+# What the README's elastic commands set: torchrun's shared store deadlocks a node that joins later.
+FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+ELASTIC = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+# torchrun's defaults would cost minutes: 30 s in which a lone node waits for more before it starts (last
+# call), 15 s before a dead node is dropped (3 missed heartbeats, 5 s apart).
+RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+EPOCHS = 12
+STEPS = {1: 64, 2: 32}  # 2048 samples, 32 per rank and step: the steps of an epoch tell its world size
+
+
+def agent_cmd(node, port, *args, max_restarts=3, launcher=(BIN / "torchrun",), nnodes="--nnodes=1:2"):
+    return [*launcher, *([nnodes] if nnodes else []), "--nproc_per_node=1", f"--max_restarts={max_restarts}",
+            "--rdzv_id=elastic", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+            f"--rdzv_conf={RDZV_CONF}", REPO / "multinode.py", "--total_epochs", str(EPOCHS), "--save_every", "1",
+            "--batch_size", "32", "--timeout", "30", "--snapshot_path", f"node{node}.pt", *args]
+
+
+# A node started now that runs its command only once the file `go` exists. Its process, which torchrun
+# becomes (exec keeps the pid), exists before the other nodes': torchrun orders the nodes of a rendezvous
+# by address, then pid, so this node takes rank 0 when it joins.
+HELD_BACK = ("import os, sys, time\n"
+             "go, deadline = sys.argv[1], time.monotonic() + 300\n"
+             "while not os.path.exists(go):\n"
+             "    if time.monotonic() > deadline:\n"
+             "        sys.exit('never told to start')\n"
+             "    time.sleep(0.01)\n"
+             "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+_seen = {}  # path -> ((mtime, inode), epochs): a snapshot is read again only once it was replaced
+
+
+def epochs_in(path):
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return 0
+    key = (stat.st_mtime_ns, stat.st_ino)
+    if _seen.get(path, (None,))[0] != key:
+        _seen[path] = (key, load_snapshot(path)["epochs_run"])
+    return _seen[path][1]
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def signal_pending(pid, sig):
+    """Whether `sig` waits to be delivered to the process: a stopped one gets it only once continued."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+    except OSError:
+        return False
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(mask & (1 << (sig - 1)) for mask in masks)
+
+
+def hold(agent, restart):
+    """SIGSTOP the node's worker of this restart round: its training stands still, and the others wait on it.
+    Its snapshot cannot change while it is held."""
+    wait_for(lambda: torchrun_worker(agent.pid, 0, restart) or agent.poll() is not None, 120, "the node's worker")
+    worker = torchrun_worker(agent.pid, 0, restart)
+    assert worker, "the node's worker should be training"
+    os.kill(worker, signal.SIGSTOP)
+    return worker
+
+
+def release_when_stopped_by_torchrun(worker):
+    """Let a held worker go once its agent has sent it SIGTERM to re-form the group: it ends at once."""
+    wait_for(lambda: signal_pending(worker, signal.SIGTERM) or not alive(worker), 120,
+             "torchrun to stop the held worker for the new node")
+    os.kill(worker, signal.SIGCONT)
+    wait_for(lambda: not alive(worker), 60, "the held worker to end")
+
+
+def phases(output):
+    """The epoch lines of one node's output, split where rank 0 said the world size changed."""
+    return [epoch_lines(part) for part in output.split("World size ")]
+
+
+def assert_epochs(lines, first, last, world_size):
+    assert [line.epoch for line in lines] == list(range(first, last + 1)), (first, last, lines)
+    assert {line.steps for line in lines} == {STEPS[world_size]}, f"world size {world_size}: {lines}"
+
+
+def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_on(tmp_path):
+    """One job, three nodes, world size 1 -> 2 -> 1 -> 2:
+    node 1 joins with an older snapshot of the run (it resumes from node 0's, the newest, sent by rank 0);
+    node 1 dies (SIGKILL of its agent and worker) and node 0 goes on alone after a restart;
+    node 2 joins with no snapshot and takes rank 0 (it resumes from node 0's, sent by rank 1), without
+    --max_restarts (a join costs none), and the two finish together."""
+    port, go = free_port(), tmp_path / "go"
+    node0, node1, node2 = (tmp_path / f"node{n}.pt" for n in range(3))
+    late = start([sys.executable, "-c", HELD_BACK, go, *agent_cmd(2, port, max_restarts=0)], tmp_path, ELASTIC)
+    first = start(agent_cmd(0, port), tmp_path, ELASTIC)
+    assert late.pid < first.pid, "node 2's pid must be the lower one (pid numbers wrapped around?)"
+
+    # Node 1 joins with an older snapshot: a copy of node 0's first (rename makes every save whole).
+    wait_for(lambda: epochs_in(node0) >= 1 or first.poll() is not None, 120, "node 0's first snapshot")
+    shutil.copyfile(node0, node1)
+    older = epochs_in(node1)
+    wait_for(lambda: epochs_in(node0) > older or first.poll() is not None, 120, "a newer snapshot on node 0")
+    held = hold(first, restart=0)
+    join1 = epochs_in(node0)
+    second = start(agent_cmd(1, port), tmp_path, ELASTIC)
+    release_when_stopped_by_torchrun(held)
+
+    # Node 1 leaves once it saved at world size 2: the whole node dies at once.
+    wait_for(lambda: epochs_in(node1) > join1 or second.poll() is not None, 120, "node 1's snapshot at size 2")
+    held = hold(first, restart=0)
+    kill_tree(second)
+    os.kill(held, signal.SIGCONT)
+    wait_for(lambda: not alive(held), 60, "node 0's worker to notice that node 1 is gone")
+    leave = epochs_in(node0)  # it may have saved the epoch it was in when held, no more
+
+    # Node 2 joins with no snapshot, once node 0 trained on alone.
+    wait_for(lambda: epochs_in(node0) > leave or first.poll() is not None, 120, "node 0's snapshot at size 1")
+    held = hold(first, restart=1)  # torchrun counts the leave as a restart, the join not
+    join2 = epochs_in(node0)
+    assert join2 <= EPOCHS - 2, f"node 0 trained on too far before it was held: {join2} of {EPOCHS} epochs"
+    go.touch()
+    release_when_stopped_by_torchrun(held)
+
+    out0, out2, out1 = finish(first, 180), finish(late, 60), finish(second, 30)
+    assert [first.returncode, second.returncode, late.returncode] == [0, -signal.SIGKILL, 0], (out0, out1, out2)
+    wait_for(lambda: not launched_pids(), 30, "every process of the job to end")
+
+    # Rank 0 speaks: node 0 until node 2 joins and takes rank 0. One line per change, printed once.
+    assert (f"Resuming from node0.pt of rank 0 at epoch {join1}, the newest snapshot, sent to every rank "
+            f"(the ranks held from {older} to {join1} epochs)\nWorld size 1 -> 2 at epoch {join1}\n") in out0
+    assert "); torchrun starts the group again, which resumes from the snapshots (3 restarts left)" in out0
+    assert f"\nResuming from node0.pt at epoch {leave}\nWorld size 2 -> 1 at epoch {leave}\n" in out0
+    assert (f"Resuming from node0.pt of rank 1 at epoch {join2}, the newest snapshot, sent to every rank "
+            f"(the ranks held from none to {join2} epochs)\nWorld size 1 -> 2 at epoch {join2}\n") in out2
+    assert "warning: an elastic job (torchrun --nnodes=1:2) without --max_restarts" in out2
+    assert [out.count("World size ") for out in (out0, out1, out2)] == [2, 0, 1], (out0, out1, out2)
+    assert not epoch_lines(out1), "node 1 never held rank 0"
+
+    # The epochs at each world size: node 0 may have logged the epoch it was in when held, once more.
+    alone, together, alone_again = phases(out0)
+    assert_epochs(alone[:join1], 0, join1 - 1, 1)
+    assert len(alone) <= join1 + 1
+    assert_epochs(together[:leave - join1], join1, leave - 1, 2)
+    assert len(together) <= leave - join1 + 1
+    assert_epochs(alone_again[:join2 - leave], leave, join2 - 1, 1)
+    assert len(alone_again) <= join2 - leave + 1
+    before, last = phases(out2)
+    assert not before
+    assert_epochs(last, join2, EPOCHS - 1, 2)
+    assert summary(out2).world_size == 2
+
+    # Resumed each time, not started over: the loss of the first epoch after a change is below the one
+    # before it (a fresh model's would be back near epoch 0's); and it falls to the end.
+    for before, after, epoch in ((alone, together, join1), (together, alone_again, leave), (alone_again, last, join2)):
+        loss = {line.epoch: line.loss for line in before}
+        assert after[0].loss < loss[epoch - 1], f"epoch {epoch}: {before} -> {after}"
+    assert last[-1].loss < together[0].loss < alone[0].loss, "the loss falls across the changes"
+
+    # Both nodes end with the same snapshot, of one run since node 0's start; node 1's last was at size 2.
+    a, b, gone = load_snapshot(node0), load_snapshot(node2), load_snapshot(node1)
+    assert (a["epochs_run"], a["world_size"]) == (b["epochs_run"], b["world_size"]) == (EPOCHS, 2)
+    assert_bitwise_equal(a["model"], b["model"], "node snapshots")
+    assert join1 < gone["epochs_run"] <= leave and gone["world_size"] == 2
+    assert a["run"] == b["run"] == gone["run"]
+
+
+def test_an_elastic_job_on_torchruns_shared_store_stops_at_once_with_the_fix(tmp_path):
+    """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a node that joins later would deadlock the agents for 60 s
+    with no worker running to say why: the first workers stop with the fix instead, before any training.
+    Both ways torchrun learns the range of nodes, launched side by side: --nnodes, and PET_NNODES (as the
+    Kubeflow operator sets it)."""
+    launches = {"nnodes": ((BIN / "torchrun",), "--nnodes=1:2", clean_env()),
+                "pet": ((sys.executable, "-m", "torch.distributed.run"), None, clean_env(PET_NNODES="1:2"))}
+    processes = {}
+    for name, (launcher, nnodes, env) in launches.items():
+        (tmp_path / name).mkdir()
+        cmd = agent_cmd(0, free_port(), max_restarts=0, launcher=launcher, nnodes=nnodes)
+        processes[name] = (cmd, start(cmd, tmp_path / name, env, merge_output=False))
+    for name, (cmd, process) in processes.items():
+        out, err = finish(process, 90)
+        result = subprocess.CompletedProcess(cmd, process.returncode, out, err)
+        assert_one_line_error(result, f"an elastic job (torchrun --nnodes=1:2) needs {FIX} on every node",
+                              f"start each node as `{FIX} torchrun --nnodes=1:2 ...`", code=1)
+        assert not epoch_lines(result.stdout) and not (tmp_path / name / "node0.pt").exists()

@@ -1,7 +1,7 @@
 """Clean exits: launch every script that starts processes or a process group, many times, under each of
 its launchers, and count the runs that finished cleanly.
 
-    python benchmarks/clean_exit.py                          # 15 launches of each of 14 jobs: 210 launches
+    python benchmarks/clean_exit.py                          # 15 launches of each of 16 jobs: 240 launches
     python benchmarks/clean_exit.py --repeats 3 --jobs multigpu.py torchrun_ddp.py
 
 A clean exit: exit code 0 and none of `terminate called`, `SIGABRT`, `Segmentation fault` in the output.

@@ -206,8 +206,9 @@ def local_rank():
 
 
 def exit_now(code, message=None):
-    if message is not None:
-        print(f"error: {message}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    if message is not None:
+        # One write: ranks share the launcher's stderr, and print() can write text and newline apart.
+        os.write(2, f"error: {message}\n".encode(errors="backslashreplace"))
     os._exit(code)

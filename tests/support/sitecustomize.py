@@ -36,18 +36,24 @@ def gloo_worker_threads():
     return count
 
 
+def say(line):
+    """One line to stderr in one write: the ranks share torchrun's stderr, and print() under PYTHONUNBUFFERED
+    writes the text and its newline separately, so two ranks' lines could run into one (seen once)."""
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode())
+
+
 def patch_c10d(module):
     destroy = module.destroy_process_group
 
     def checked(group=None):
         if group is None and os.environ.get("DDP_EXAMPLES_PROBE_COLLECTIVES") and module.is_initialized():
             issued = module._get_default_group()._get_sequence_number_for_group()
-            print(f"{COLLECTIVES} rank {module.get_rank()} issued {issued} collectives", file=sys.stderr, flush=True)
+            say(f"{COLLECTIVES} rank {module.get_rank()} issued {issued} collectives")
         destroy(group)
         left = gloo_worker_threads()
         if group is None and left:
-            print(f"{MARKER} ({left} gloo worker threads still run: something holds the group)",
-                  file=sys.stderr, flush=True)
+            say(f"{MARKER} ({left} gloo worker threads still run: something holds the group)")
 
     module.destroy_process_group = checked
 

@@ -22,6 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from ddp_common import snapshot
+from ddp_common.distributed import tensor_bytes
 from ddp_common.errors import UsageError
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "batched_powersgd")
@@ -72,7 +73,7 @@ class CommHook:
     def prepare(self, model):
         """(state, hook) for the DDP `model`'s register_comm_hook, or None for none: DDP's built-in all-reduce,
         which runs in C++, needs no hook."""
-        self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self.full_bytes = tensor_bytes(p for p in model.parameters() if p.requires_grad)
         if self.name == "none":
             self.last_step_bytes = self.full_bytes
             return None

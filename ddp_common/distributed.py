@@ -134,11 +134,16 @@ def group_store(rank, world_size, timeout):
         time.sleep(0.1)
 
 
+def tensor_bytes(tensors):
+    """The bytes of `tensors`, each counted whole (unsharded)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
 def optimizer_state_bytes(optimizer):
     """Bytes of the tensors in the optimizer state this rank holds: its shard under ZeroRedundancyOptimizer."""
     optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
-    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
-               for value in state.values() if torch.is_tensor(value))
+    return tensor_bytes(value for state in optimizer.state.values()
+                        for value in state.values() if torch.is_tensor(value))
 
 
 def summary_line(epochs, steps, final_loss, samples, wall_s, world_size=None, backend=None):

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
+from ddp_common.distributed import tensor_bytes
 from ddp_common.errors import UsageError, one_line
 
 MARKER = "complete.json"
@@ -166,11 +167,6 @@ def held_bytes(tensors):
     return sum(storages.values())
 
 
-def full_bytes(tensors):
-    """The bytes of `tensors` unsharded: what a rank of DDP holds of them."""
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
 def memory_report(model, optimizer):
     """Every rank calls this after a training step; the report, a line per rank: the bytes of parameters,
     gradients and optimizer state the rank holds, measured, beside what a DDP rank holds of each (full copies)."""
@@ -180,7 +176,7 @@ def memory_report(model, optimizer):
               and v.dim() > 0]  # scalar entries (Adam's step) are no model-sized state
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, (held_bytes(params), held_bytes(grads), held_bytes(states)))
-    full = (full_bytes(params), full_bytes(grads), full_bytes(states))
+    full = (tensor_bytes(params), tensor_bytes(grads), tensor_bytes(states))  # what a DDP rank holds
     return "\n".join(f"Rank {rank} holds params {p:,} B | grads {g:,} B | optimizer state {o:,} B; DDP would hold "
                      f"{full[0]:,} | {full[1]:,} | {full[2]:,} B" for rank, (p, g, o) in enumerate(held))
 

@@ -128,7 +128,7 @@ def test_ddp_py_matches_normal_training(tmp_path):
 
 
 def test_ddp_py_without_env_file_uses_defaults(tmp_path):
-    out = run(ddp_py("--total_epochs", "1"), cwd=tmp_path).stdout
+    out = run(ddp_py("--total_epochs", "1", "--batch_size", "256"), cwd=tmp_path).stdout
     assert f"MASTER_ADDR=127.0.0.1 (default, no env file at {tmp_path / '.env'})" in out
     assert "MASTER_PORT=" in out and f"(a free port, no env file at {tmp_path / '.env'})" in out
     assert summary(out).epochs == 1
@@ -137,7 +137,7 @@ def test_ddp_py_without_env_file_uses_defaults(tmp_path):
 def test_environment_wins_over_env_file(tmp_path):
     (tmp_path / ".env").write_text("MASTER_ADDR=127.0.0.1\nMASTER_PORT=abc\n")  # would stop the run
     port = free_port()
-    out = run(ddp_py("--total_epochs", "1"), cwd=tmp_path, env=clean_env(MASTER_PORT=port)).stdout
+    out = run(ddp_py("--total_epochs", "1", "--batch_size", "256"), cwd=tmp_path, env=clean_env(MASTER_PORT=port)).stdout
     assert f"MASTER_PORT={port} (from the environment)" in out
     assert f"MASTER_ADDR=127.0.0.1 (from {tmp_path / '.env'})" in out
     assert summary(out).epochs == 1

@@ -17,7 +17,7 @@ from conftest import (BIN, REPO, assert_same_training_state, clean_env, finish, 
                       mpirun_cmd, python_cmd, run, start, summary, torchrun_cmd)
 
 FLAGS = ("--save_every", "2", "--batch_size", "16")
-EPOCHS = "30"  # long enough that a kill after the first snapshot lands well before the end
+EPOCHS = "16"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
 # How long a whole training job may take before the test calls it hung: it asserts no speed (an idle machine
 # runs these jobs in under a minute), it only ends a test that would otherwise wait forever.
 HANG_GUARD_S = 600

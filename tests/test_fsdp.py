@@ -1,7 +1,7 @@
 """fsdp.py, the FSDP2 step, under torchrun: sharded training (each block its own unit, the collectives counted),
 the memory it reports, parity with DDP, and its distributed checkpoints (complete only when marked, resharding
 from 2 ranks to 1 and 3, a SIGKILL in the middle of an async save, then a bitwise resume on two nodes,
-checkpoints of another model or with a shard missing).
+checkpoints of another model or with a shard missing, a --snapshot_path the nodes do not share).
 
 Checkpoints are read back in the test process with DCP's own converter (dcp_to_torch_save), not with fsdp.py.
 Launches are few (each costs seconds on a CPU): one 2-rank run serves most tests.
@@ -9,6 +9,7 @@ Launches are few (each costs seconds on a CPU): one 2-rank run serves most tests
 import json
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -144,14 +145,20 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def two_nodes(*args, cwd):
-    """fsdp.py on two torchrun agents of one rank each, as on two machines sharing `cwd`: their outputs.
+def start_two_nodes(*args, cwds, merge_output=True):
+    """fsdp.py on two torchrun agents of one rank each, as on two machines, node i started in cwds[i].
     torchrun sets OMP_NUM_THREADS=1 only for several processes a node; set here as the standalone runs have it,
     since the number of threads changes the order in which a matmul sums, and so its last bits."""
     port = free_port()
-    agents = [start([BIN / "torchrun", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_id=fsdp",
-                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", REPO / "fsdp.py", *args,
-                     "--timeout", "60"], cwd, env=clean_env(OMP_NUM_THREADS=1)) for node in (0, 1)]
+    return [start([BIN / "torchrun", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_id=fsdp",
+                   "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", REPO / "fsdp.py", *args,
+                   "--timeout", "60"], cwd, env=clean_env(OMP_NUM_THREADS=1), merge_output=merge_output)
+            for node, cwd in enumerate(cwds)]
+
+
+def two_nodes(*args, cwd):
+    """fsdp.py on two nodes sharing `cwd`, run to a clean end: their outputs."""
+    agents = start_two_nodes(*args, cwds=[cwd, cwd])
     outputs = [finish(agent, 180) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     return outputs
@@ -263,3 +270,21 @@ def test_a_checkpoint_with_a_shard_missing_is_refused_in_one_line(uninterrupted,
     assert_one_line_error(result, "checkpoint checkpoints/epoch_000004 is damaged: rank", "could not read it",
                           "No such file or directory: 'checkpoints/epoch_000004/__1_0.distcp'", code=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_000002", "epoch_000004"]
+
+
+def test_a_snapshot_path_the_nodes_do_not_share_is_refused_in_one_line(tmp_path):
+    """Each node started in a directory of its own, as on two machines without a shared filesystem: the
+    relative --snapshot_path names a different directory on each, and DCP would write half a checkpoint into
+    each. Both nodes stop at start, before any training, each with the one line."""
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for cwd in cwds:
+        cwd.mkdir()
+    agents = start_two_nodes("--total_epochs", "2", *FLAGS, cwds=cwds, merge_output=False)
+    for agent in agents:
+        out, err = finish(agent, 120)
+        assert_one_line_error(subprocess.CompletedProcess(agent.args, agent.returncode, out, err),
+                              "ranks [1] do not see the files rank 0 writes in checkpoints",
+                              "--snapshot_path must be on a filesystem all nodes share", code=1)
+        assert not epoch_lines(out), "stopped before training"
+    assert list((cwds[0] / "checkpoints").iterdir()) == [], "rank 0's probe file removed, nothing saved"
+    assert not (cwds[1] / "checkpoints").exists()

@@ -3,10 +3,11 @@
 
     cp .env.example .env        # MASTER_ADDR and MASTER_PORT of the DDP rendezvous
     python ddp.py --backend gloo --total_epochs 10 --batch_size 128 --input_size 200 --world_size 2
-    python ddp.py --total_epochs 10 --batch_size 128 --input_size 200    # every GPU, nccl
+    python ddp.py --total_epochs 10 --batch_size 128 --input_size 200    # every GPU with nccl, or 2 CPU processes
     MASTER_PORT=29511 python ddp.py --env_file other.env --backend gloo  # the environment wins over the file
 
-Without a .env file it uses 127.0.0.1 and a free port, and says so.
+The processes meet where MASTER_ADDR and MASTER_PORT say (init_method="env://"): the environment first, then
+the .env file (python-dotenv), else 127.0.0.1 and a free port; it prints which, and where each came from.
 
 How normal training is matched to DDP, so their weights agree to float rounding: DDP rank r trains on
 DistributedSampler(rank=r) shards of --batch_size samples, and DDP averages the ranks' gradients, which is
@@ -16,26 +17,64 @@ ShardUnionSampler asks the same DistributedSamplers (same seed, same epoch) for 
 concatenates them. DataParallel runs on those same global batches. Only the order of float additions
 differs, so the largest weight difference printed at the end is at rounding level (around 1e-7).
 """
+import argparse
 import os
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+from dotenv import dotenv_values
 
-from ddp_common import cli, snapshot
+from ddp_common import cli
 from ddp_common.data import classification_dataset
-from ddp_common.distributed import check_backend, check_can_listen, share_cpu_cores, summary_line, synchronize
-from ddp_common.envfile import master_from_env_file
+from ddp_common.devices import check_backend
+from ddp_common.errors import UsageError
 from ddp_common.models import LinearClassifier
+from ddp_common.progress import summary_line
+from ddp_common.rendezvous import check_can_listen, free_port
 
 DATASET_SIZE = 4096
+DEFAULT_ADDRESS = "127.0.0.1"
+
+
+def rendezvous_from(env_file, must_exist):
+    """(address, port, {variable: where it came from}) for MASTER_ADDR and MASTER_PORT, put into os.environ, where
+    init_process_group's env:// and the spawned processes read them. The environment wins over the file (as
+    python-dotenv's override=False); a missing or empty value falls back to 127.0.0.1 and a free port."""
+    path = os.path.abspath(env_file)  # python-dotenv would search beside the script, not in the current directory
+    if not os.path.isfile(path) and must_exist:
+        raise UsageError(f"env file {path} not found; copy .env.example there or leave out --env_file")
+    try:
+        in_file = dotenv_values(path) if os.path.isfile(path) else {}
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read env file {path} ({error})") from None
+    missing = f"not set in {path}" if os.path.isfile(path) else f"no env file at {path}"
+    values, sources = {}, {}
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if os.environ.get(name):
+            values[name], sources[name] = os.environ[name], "from the environment"
+        elif in_file.get(name):
+            values[name], sources[name] = in_file[name], f"from {path}"
+    address = values.get("MASTER_ADDR", DEFAULT_ADDRESS)
+    sources.setdefault("MASTER_ADDR", f"default, {missing}")
+    if "MASTER_PORT" in values:
+        try:
+            port = cli.port_number(values["MASTER_PORT"].strip())
+        except argparse.ArgumentTypeError as error:
+            raise UsageError(f"MASTER_PORT={values['MASTER_PORT']!r} {sources['MASTER_PORT']}: {error}") from None
+    else:
+        check_can_listen(address, 0)  # an address of another machine gets a one-line error, not a traceback
+        port, sources["MASTER_PORT"] = free_port(address), f"a free port, {missing}"
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
+    return address, port, sources
 
 
 class ShardUnionSampler:
@@ -70,7 +109,6 @@ def build(args, device):
 def train(model, loader, sampler, optimizer, args, device, label, reduce=None, verbose=True):
     """The loop every mode shares. `reduce` sums the epoch's statistics over the ranks.
     Returns (wall seconds, samples trained on by all processes together)."""
-    synchronize(device)
     start, samples = time.perf_counter(), 0
     for epoch in range(args.total_epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
@@ -92,7 +130,6 @@ def train(model, loader, sampler, optimizer, args, device, label, reduce=None, v
         samples += int(count)
         if verbose:
             print(f"[{label}] Epoch {epoch} | loss {loss_sum / count:.6f} | accuracy {correct / count:.4f}")
-    synchronize(device)
     return time.perf_counter() - start, samples
 
 
@@ -112,9 +149,10 @@ def normal_training(args, world_size, device):
     return model, dataset, wall, samples
 
 
+@cli.rank_main  # one-line errors in each process, as cli.run gives the parent
 def ddp_worker(rank, world_size, backend, args, result_path):
     # The rank is the mp.spawn index; one machine, so it is also the local rank, which picks the GPU.
-    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
@@ -128,7 +166,7 @@ def ddp_worker(rank, world_size, backend, args, result_path):
     wall, samples = train(model, loader, sampler, optimizer, args, device, "DDP", reduce=dist.all_reduce,
                           verbose=rank == 0)
     if rank == 0:  # every rank holds the same weights
-        weights = {name: value.cpu() for name, value in snapshot.unwrap(model).state_dict().items()}
+        weights = {name: value.cpu() for name, value in model.module.state_dict().items()}
         torch.save({"weights": weights, "wall": wall, "samples": samples,
                     "steps": args.total_epochs * len(loader)}, result_path)
     del model, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
@@ -138,8 +176,8 @@ def ddp_worker(rank, world_size, backend, args, result_path):
 def ddp_training(args, world_size, backend):
     with tempfile.TemporaryDirectory() as directory:
         result_path = os.path.join(directory, "ddp_result.pt")
-        share_cpu_cores(world_size)
-        mp.spawn(cli.run_rank, args=(ddp_worker, world_size, backend, args, result_path), nprocs=world_size)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: else each process takes every core
+        mp.spawn(ddp_worker, args=(world_size, backend, args, result_path), nprocs=world_size)
         result = torch.load(result_path, weights_only=True)
     model = LinearClassifier(args.input_size)
     model.load_state_dict(result["weights"])
@@ -158,10 +196,10 @@ def data_parallel_training(args, world_size):
 
 def main(args):
     world_size = args.world_size or torch.accelerator.device_count() or 2
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
-    address, port, sources = master_from_env_file(args.env_file or ".env", must_exist=args.env_file is not None)
+    address, port, sources = rendezvous_from(args.env_file or ".env", must_exist=args.env_file is not None)
     check_can_listen(address, port)
     print(f"MASTER_ADDR={address} ({sources['MASTER_ADDR']})\nMASTER_PORT={port} ({sources['MASTER_PORT']})")
     print(f"Global batch {args.batch_size * world_size}: normal training takes it whole, "
@@ -175,7 +213,7 @@ def main(args):
     ddp_loss, ddp_accuracy = evaluate(ddp_model, dataset, torch.device("cpu"))
     rows.append((f"DDP ({world_size} ranks)", result["wall"], result["samples"], ddp_loss, ddp_accuracy))
 
-    gpus, dp_model = torch.cuda.device_count(), None
+    gpus, dp_model = torch.accelerator.device_count() if accelerator else 0, None
     if gpus >= 2:
         dp_model, dataset, wall, samples = data_parallel_training(args, world_size)
         rows.append((f"DataParallel ({gpus} GPUs)", wall, samples, *evaluate(dp_model, dataset, device)))
@@ -202,15 +240,13 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="Normal training, DDP and DataParallel side by side.")
-    cli.add_training_args(parser, total_epochs=10, batch_size=128, positional=False, snapshots=False)
+    parser = cli.training_parser("Normal training, DDP and DataParallel side by side.", total_epochs=10,
+                                 batch_size=128, positional=False, world_size=True)
     cli.add_linear_args(parser, input_size=200)
-    parser.add_argument("--world_size", type=cli.positive_int,
-                        help="DDP processes to start (default: one per GPU, or 2 without GPUs)")
     parser.add_argument("--weights_dir", help="write each mode's final weights to DIR (normal.pt, ddp.pt, "
                                               "dataparallel.pt), to inspect or compare them")
     parser.add_argument("--env_file",
                         help="file with MASTER_ADDR and MASTER_PORT (default: .env in the current directory, "
                              "if there is one); variables set in the environment win")
     cli.add_distributed_args(parser)
-    cli.run(main, cli.training_args(parser))
+    cli.run(main, parser)

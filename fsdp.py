@@ -1,15 +1,12 @@
 """Step 5: FSDP2 shards the model, its gradients and its optimizer state over the ranks; each rank saves its shards.
 
-    torchrun --standalone --nproc_per_node=gpu fsdp.py 50 10   # every GPU (no CUDA: fails)
-    torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --amp --async_save   # 2 processes (CPU: 2 of gloo)
+    torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --amp --async_save   # 2 processes (GPUs, or CPU with gloo)
     # two nodes, HOST an address of node 0; the checkpoints on a filesystem that both nodes share:
     torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
-        fsdp.py 50 10 --snapshot_path /shared/checkpoints
+        fsdp.py 50 10 --snapshot_path /shared/fsdp_checkpoints
 
-A checkpoint is a directory of shards (checkpoints/epoch_000010/); a run resumes from the newest complete one,
-at the same or at another world size (README: sharding with FSDP2).
-Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
-`diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py, and -> fsdp.py.
+A checkpoint is a directory of shards (fsdp_checkpoints/epoch_000010/); a run resumes from the newest complete one,
+at the same or at another world size (docs/fsdp.md). Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py`.
 """
 import os
 import time
@@ -17,16 +14,21 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cli, sharded
+from ddp_common import cli, teardown
+from ddp_common.checkpoint_dir import CheckpointDir
 from ddp_common.data import regression_dataset
-from ddp_common.distributed import check_backend, group_store, require_torchrun, summary_line, synchronize
+from ddp_common.devices import check_backend, share_cores
+from ddp_common.memory import memory_report
 from ddp_common.models import BlockMLP
+from ddp_common.progress import summary_line
+from ddp_common.rendezvous import group_store
 
 
 class Trainer:
@@ -40,7 +42,7 @@ class Trainer:
         self.save = dcp.async_save if async_save else dcp.save  # async: copies the shards, writes them in a thread
         self.logs = dist.get_rank() == 0  # rank 0 speaks for all (and marks checkpoints complete)
         # Every rank saves its own shards there; rank 0 marks a checkpoint complete once all are written, and says so.
-        self.checkpoints = sharded.CheckpointDir(snapshot_path, log=print)
+        self.checkpoints = CheckpointDir(snapshot_path, log=print)
         self.epochs_run, path = self.checkpoints.newest()  # complete checkpoints only
         if self.epochs_run:
             state = self.state()  # this rank's shards now: DCP reads into them what they cover of the saved ones
@@ -84,15 +86,14 @@ class Trainer:
             loss = self._run_epoch(epoch)
             epochs_done = epoch + 1
             if epoch == self.epochs_run:  # measured once gradients and optimizer state exist
-                self.log(sharded.memory_report(self.model, self.optimizer))
+                self.log(memory_report(self.model, self.optimizer))
             if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
                 path = self.checkpoints.start(epochs_done)  # epoch_N.tmp/, once the save before it is complete
                 # Every rank writes its own shards at once (async: copies them, and writes while training goes on).
                 result = self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group)
                 self.checkpoints.saving(result)
             self.checkpoints.commit(wait=epochs_done == max_epochs)  # async: complete once written
-        synchronize(self.device)  # the GPU runs asynchronously: the clock must wait for it
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - start  # loss.item() above waited for the device
         epochs = max_epochs - self.epochs_run
         samples = epochs * len(self.train_data.dataset)
         self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
@@ -118,18 +119,22 @@ def load_train_objs(seed, mesh, amp):
 
 
 def main(args):
-    require_torchrun(__file__)
     # torchrun numbers the processes: RANK in the job, LOCAL_RANK on this machine (the GPU), here the same.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
-    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this node, each with its own GPU
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
+    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # A store of this group's own: torchrun's outlives a restart with the old group's keys (README: restarts).
+    # FSDP gathers and reduce-scatters the shards over this group. It meets in a store of its own: torchrun's
+    # outlives a restart with the old group's keys (docs/failures.md).
     dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
+    threads = share_cores(device)  # nodes on one machine share its cores (torchrun sets no threads for 1 process)
+    if rank == 0:
+        print(f"Training on {world_size} processes | device {device.type} | backend {backend}"
+              + (f" | {threads}" if threads else ""))
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,))  # one dimension: shard over all ranks
     dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp)
     # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
@@ -141,15 +146,14 @@ def main(args):
         if rank == 0:
             torch.save(full_state, args.export_path)
     del trainer, model, optimizer  # they hold the process group: free them, so destroy_process_group frees it
-    sharded.release(mesh)  # FSDP's reference cycles, and the mesh that DTensor's caches keep (see there)
+    teardown.release_fsdp(mesh)  # FSDP's reference cycles, and the mesh that DTensor's caches keep (see there)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="Step 5: FSDP2 and distributed checkpoints.")
-    cli.add_training_args(parser, snapshot_path="checkpoints")
-    cli.add_distributed_args(parser)
+    parser = cli.training_parser("Step 5: FSDP2 and distributed checkpoints.", snapshot_path="fsdp_checkpoints",
+                                 distributed=True)
     parser.add_argument("--amp", action="store_true", help="bf16 compute; fp32 gradient reduction and weights")
     parser.add_argument("--async_save", action="store_true", help="write checkpoints while training goes on")
     parser.add_argument("--export_path", help="at the end, write the full state to this file (torch.save)")
-    cli.run(main, cli.training_args(parser))
+    cli.run(main, parser)

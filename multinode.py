@@ -1,24 +1,18 @@
 """Step 4 of the DDP tutorial: the same training over several machines (nodes), one torchrun on each.
 
-    # on every node, HOST being an address of node 0 that all nodes reach:
+    # on every node (HOST: an address of node 0 that all reach); each node keeps multinode.pt on its own disk:
     torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
-        multinode.py 50 10
-    # two "nodes" on one machine, 2 CPU processes each, a snapshot each (README: several machines):
-    torchrun --nnodes=2 --nproc_per_node=2 --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29603 \
-        multinode.py 50 10 --snapshot_path node0.pt     # and the same with node1.pt in a second shell
-    # elastic: 1 to 2 nodes, which may join and leave while it runs (README: elastic training):
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc_per_node=2 --max_restarts=3 --rdzv_id=job43 \
-        --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29604 multinode.py 50 1 --snapshot_path node0.pt  # node1.pt
+        --rdzv_conf=join_timeout=120 multinode.py 50 10
 
-Every node keeps a snapshot on its own disk; all ranks resume from the newest one any node holds, at any world size.
-Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
-`diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py.
+Two nodes on one machine, elastic jobs whose nodes come and go: docs/multinode.md, docs/elastic.md.
+Each step is the one before plus its lesson: read the next as `diff -u multigpu_torchrun.py fsdp.py` (sharding).
 """
 import os
 import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
@@ -26,30 +20,68 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import regression_dataset
-from ddp_common.distributed import check_backend, group_store, require_torchrun, summary_line, synchronize
+from ddp_common.devices import check_backend, share_cores
 from ddp_common.models import MLP
+from ddp_common.progress import summary_line
+from ddp_common.rendezvous import group_store
 
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device):
+        self.rank, self.local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
         self.optimizer = optimizer
         self.save_every = save_every
         self.snapshot_path = snapshot_path
-        self.logs = dist.get_rank() == 0  # all ranks hold the same model: rank 0 speaks for all
-        self.saves = int(os.environ["LOCAL_RANK"]) == 0  # but every node keeps a snapshot on its own disk
-        # Each node resumes from its own disk, and all must start from the same state: the newest wins.
-        self.epochs_run, notes = snapshot.load_newest(snapshot_path, self.model, self.optimizer)
-        for note in notes:  # where it resumes from, and a world size that changed (README: elastic training)
-            self.log(note)
+        self.epochs_run = 0
+        # The snapshot, if there is one (None: a fresh start). The process that saves checks now, not at the first
+        # save, that it can write it and that no other run is writing it.
+        state = self._newest(snapshot.claim(snapshot_path, saves=self.local_rank == 0))  # one file per node
+        if state is not None:
+            self._load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
+
+    def _newest(self, state):
+        # Each node read its own file, and they can differ: a node died between two saves, or joined an elastic
+        # job late. Every rank says what it holds; the holder of the newest sends it to all.
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, snapshot.describe(state, self.snapshot_path))  # epochs, run id, world size
+        self.run = snapshot.one_run(held)  # snapshots of two different training runs: stop, rather than lose one
+        epochs = [entry[0] for entry in held]
+        box = [state]
+        dist.broadcast_object_list(box, src=epochs.index(max(epochs)))
+        if min(epochs) < max(epochs):
+            self.log(f"Newest snapshot: rank {epochs.index(max(epochs))}'s, sent to every rank (the ranks held "
+                     f"{min(epochs)} to {max(epochs)} epochs)")
+        if box[0] and box[0]["world_size"] != dist.get_world_size():
+            self.log(f"World size {box[0]['world_size']} -> {dist.get_world_size()} at epoch {max(epochs)}")
+        return box[0]
+
+    def _load_snapshot(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
+        self.epochs_run = state["epochs_run"]
+        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
+
+    def _save_snapshot(self, epoch):
+        state = {
+            "model": self.model.module.state_dict(),  # the model inside DDP, without DDP's "module." prefix
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "epochs_run": epoch + 1,
+            "world_size": dist.get_world_size(),
+            "run": self.run,  # the same on every node: snapshots of two runs are never mixed
+        }
+        snapshot.save(state, self.snapshot_path)  # atomically: a crash mid-save leaves the previous snapshot whole
+        self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
         loss = F.mse_loss(self.model(source), targets)
-        loss.backward()  # DDP all-reduces the gradients here, overlapped with the backward pass
+        loss.backward()
         self.optimizer.step()
         return loss.detach()
 
@@ -74,18 +106,16 @@ class Trainer:
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
-            epochs_done = epoch + 1
-            if self.saves and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
-                snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
-                self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
-        synchronize(self.device)  # the GPU runs asynchronously: the clock must wait for it
-        wall = time.perf_counter() - start
+            # Every rank holds the same model: each node's first process saves it, on that node's disk.
+            if self.local_rank == 0 and ((epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs):
+                self._save_snapshot(epoch)
+        wall = time.perf_counter() - start  # loss.item() above waited for the device
         epochs = max_epochs - self.epochs_run
         samples = epochs * len(self.train_data.dataset)
         self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
 
     def log(self, text):
-        if self.logs:
+        if self.rank == 0:  # every rank holds the same model and loss: rank 0 speaks for all
             print(text)
 
 
@@ -98,18 +128,22 @@ def load_train_objs(seed):
 
 
 def main(args):
-    require_torchrun(__file__)
     # torchrun numbers the processes: RANK across all nodes (rank 0 logs), LOCAL_RANK on this node (the GPU).
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
-    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this node, each with its own GPU
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
+    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # A store of this group's own: torchrun's outlives a restart with the old group's keys (README: restarts).
+    # DDP all-reduces the gradients in the backward pass, over this group of world_size processes. The group
+    # meets in a store of its own: torchrun's outlives a restart with the old group's keys (docs/failures.md).
     dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
+    threads = share_cores(device)  # nodes on one machine share its cores (torchrun sets no threads for 1 process)
+    if rank == 0:
+        print(f"Training on {world_size} processes | device {device.type} | backend {backend}"
+              + (f" | {threads}" if threads else ""))
     dataset, model, optimizer = load_train_objs(args.seed)
     # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
     train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
@@ -120,7 +154,6 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="Step 4: several nodes, one torchrun per node.")
-    cli.add_training_args(parser)
-    cli.add_distributed_args(parser)
-    cli.run(main, cli.training_args(parser))
+    parser = cli.training_parser("Step 4: several nodes, one torchrun per node.", snapshot_path="multinode.pt",
+                                 distributed=True)
+    cli.run(main, parser)

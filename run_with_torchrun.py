@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from ddp_common import cli, collectives
-from ddp_common.distributed import check_backend, group_store, require_torchrun
+from ddp_common.devices import check_backend
 from ddp_common.errors import UsageError
+from ddp_common.rendezvous import group_store
 
 
 def main(args):
-    require_torchrun(__file__)
     if args.backend == "mpi":
         raise UsageError("the mpi backend takes its ranks from mpirun, not torchrun; "
                          "run `mpirun -np 2 python run_with_mpirun.py --backend mpi`")
@@ -28,12 +28,12 @@ def main(args):
     # GPU). Using LOCAL_RANK as the rank works on one node and breaks on the second.
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # A store of this group's own: torchrun's outlives a restart with the old group's keys (README: restarts).
+    # A store of this group's own: torchrun's outlives a restart with the old group's keys (docs/failures.md).
     dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
     collectives.announce(rank, world_size, device)
@@ -46,4 +46,4 @@ def main(args):
 if __name__ == "__main__":
     parser = cli.ArgumentParser(description="Run and check the collectives in processes started by torchrun.")
     cli.add_distributed_args(parser)
-    cli.run(main, parser.parse_args())
+    cli.run(main, parser)

@@ -1,9 +1,8 @@
 """Step 1 of the DDP tutorial: one device (the GPU if there is one), with snapshots to resume from.
 
-    python singlegpu.py 50 10          # TOTAL_EPOCHS SAVE_EVERY, or --total_epochs 50 --save_every 10
+    python singlegpu.py 50 10          # TOTAL_EPOCHS SAVE_EVERY; writes singlegpu.pt, and resumes from it
 
-Each step is the one before plus its lesson, so read the steps as diffs (README: the DDP tutorial series):
-`diff -u singlegpu.py multigpu.py`, then multigpu.py -> multigpu_torchrun.py -> multinode.py.
+Each step is the one before plus its lesson: read the next as `diff -u singlegpu.py multigpu.py` (docs/tutorial.md).
 """
 import time
 
@@ -13,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from ddp_common import cli, snapshot
 from ddp_common.data import regression_dataset
-from ddp_common.distributed import summary_line, synchronize
 from ddp_common.models import MLP
+from ddp_common.progress import summary_line
 
 
 class Trainer:
@@ -25,10 +24,29 @@ class Trainer:
         self.optimizer = optimizer
         self.save_every = save_every
         self.snapshot_path = snapshot_path
-        self.logs = self.saves = True  # the only process: it prints and writes the snapshots
-        self.epochs_run = snapshot.load(snapshot_path, self.model, self.optimizer)
-        if self.epochs_run:
-            self.log(f"Resuming from {snapshot_path} at epoch {self.epochs_run}")
+        self.epochs_run = 0
+        # The snapshot, if there is one (None: a fresh start). The process that saves checks now, not at the first
+        # save, that it can write it and that no other run is writing it.
+        state = snapshot.claim(snapshot_path, saves=True)
+        if state is not None:
+            self._load_snapshot(state)
+
+    def _load_snapshot(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
+        self.epochs_run = state["epochs_run"]
+        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
+
+    def _save_snapshot(self, epoch):
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "epochs_run": epoch + 1,
+        }
+        snapshot.save(state, self.snapshot_path)  # atomically: a crash mid-save leaves the previous snapshot whole
+        self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
@@ -56,19 +74,15 @@ class Trainer:
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
-            epochs_done = epoch + 1
-            if self.saves and (epochs_done % self.save_every == 0 or epochs_done == max_epochs):
-                snapshot.save(self.snapshot_path, self.model, self.optimizer, epochs_done)
-                self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
-        synchronize(self.device)  # the GPU runs asynchronously: the clock must wait for it
-        wall = time.perf_counter() - start
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                self._save_snapshot(epoch)
+        wall = time.perf_counter() - start  # loss.item() above waited for the device
         epochs = max_epochs - self.epochs_run
         samples = epochs * len(self.train_data.dataset)
         self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
 
     def log(self, text):
-        if self.logs:
-            print(text)
+        print(text)  # the only process: it speaks
 
 
 def load_train_objs(seed):
@@ -80,8 +94,10 @@ def load_train_objs(seed):
 
 
 def main(args):
-    accelerator = torch.accelerator.current_accelerator()  # the GPU's kind (cuda, ...); None without one
+    # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")
+    print(f"Training on 1 process | device {device.type}")
     dataset, model, optimizer = load_train_objs(args.seed)
     # Shuffling draws from the global RNG, whose state the snapshot keeps: a resumed run sees the same order.
     train_data = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
@@ -90,6 +106,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="Step 1: training on one device.")
-    cli.add_training_args(parser)
-    cli.run(main, cli.training_args(parser))
+    parser = cli.training_parser("Step 1: training on one device.", snapshot_path="singlegpu.pt")
+    cli.run(main, parser)

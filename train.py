@@ -1,19 +1,19 @@
 """MNIST with the Hugging Face Trainer: one script for every launcher, DDP on CPUs or GPUs.
 
-    python train.py --data_dir DIR                                          # one process
-    torchrun --standalone --nproc_per_node=2 train.py --data_dir DIR        # DDP, 2 processes
-    mpirun -np 2 python train.py --data_dir DIR                             # DDP, ranks from MPI
-    python train.py --data_dir DIR --num_train_epochs 5 --resume_from_checkpoint last
-    torchrun --standalone --nproc_per_node=2 --max_restarts=3 train.py --data_dir DIR
+    python train.py --data_dir data/mnist                                     # one process
+    torchrun --standalone --nproc_per_node=2 train.py --data_dir data/mnist   # DDP, 2 processes
+    mpirun -np 2 python train.py --data_dir data/mnist                        # DDP, ranks from MPI
+    python train.py --data_dir data/mnist --num_train_epochs 5 --resume_from_checkpoint last
+    torchrun --standalone --nproc_per_node=2 --max_restarts=3 train.py --data_dir data/mnist
                                      # a restarted group resumes from the newest checkpoint
-    python train.py                                 # MNIST from the Hugging Face Hub (ylecun/mnist)
+    python train.py                  # MNIST from the Hugging Face Hub (ylecun/mnist)
 
-DIR holds the four MNIST IDX files (plain or .gz, directly or under DIR/MNIST/raw as torchvision
-keeps them) or a DatasetDict written by save_to_disk. Every field of transformers.TrainingArguments
-is a flag (`python train.py --help`), with defaults for a small CNN trained from scratch. The run
-writes checkpoints, the model and train/eval/all_results.json to --output_dir (trainer_output).
+--data_dir holds MNIST's IDX files (plain or .gz, directly or under MNIST/raw as torchvision keeps them) or a
+DatasetDict written by save_to_disk. The repository's data/mnist is the official test set alone: the script then
+trains on 8,000 of its images, evaluates on the other 2,000, and says so. Every field of TrainingArguments is a
+flag (`python train.py --help`), with defaults for a small CNN trained from scratch. The run writes checkpoints,
+the model and train/eval/all_results.json to --output_dir (trainer_output).
 """
-import gc
 import hashlib
 import os
 import time
@@ -22,114 +22,92 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from ddp_common import cli, mpi
+from ddp_common import cli, launchers, mpi, snapshot, teardown
+from ddp_common.devices import check_backend, share_cores
 from ddp_common.errors import CheckFailed, UsageError, one_line
-from ddp_common.distributed import BACKENDS, check_backend, group_store, summary_line
-from ddp_common.hf_data import collate, load_mnist_splits
+from ddp_common.mnist import collate, load_mnist_splits
 from ddp_common.models import SimpleCNN
+from ddp_common.progress import summary_line
+from ddp_common.rendezvous import group_store
 
 
 @dataclass
-class ScriptArguments:
+class DataArguments:
     data_dir: str | None = field(default=None, metadata={
-        "help": "folder with the four MNIST IDX files (or DIR/MNIST/raw), or a DatasetDict saved with "
-                "save_to_disk; default: download ylecun/mnist from the Hugging Face Hub"})
+        "help": "folder with the MNIST IDX files (or DIR/MNIST/raw), or a DatasetDict saved with save_to_disk; "
+                "default: download ylecun/mnist from the Hugging Face Hub"})
     cache_dir: str | None = field(default=None, metadata={
         "help": "where the Hub download is cached (default: the datasets cache, ~/.cache/huggingface)"})
     max_train_samples: int | None = field(default=None, metadata={
         "help": "train on the first N training images only (quick runs)"})
     max_eval_samples: int | None = field(default=None, metadata={
-        "help": "evaluate on the first N test images only"})
+        "help": "evaluate on the first N evaluation images only"})
 
 
-@dataclass
-class MNISTTrainingArguments(TrainingArguments):
-    """The Trainer's arguments, also under the spellings of this repository's other scripts: --total_epochs
-    (--epochs), --batch_size, --backend and --timeout."""
-    num_train_epochs: float = field(default=3.0, metadata={
-        "aliases": ["--total_epochs", "--epochs"], "help": "epochs to train in all (default 3)"})
-    per_device_train_batch_size: int = field(default=64, metadata={
-        "aliases": ["--batch_size"], "help": "samples per step and rank (default 64)"})
-    ddp_backend: str | None = field(default=None, metadata={
-        "aliases": ["--backend"], "choices": list(BACKENDS),
-        "help": "process-group backend (default: the device's, nccl on CUDA GPUs and gloo on the CPU)"})
-    ddp_timeout: float = field(default=300.0, metadata={
-        "aliases": ["--timeout"],
-        "help": "seconds to wait for the other ranks before giving up (the library default is 30 minutes)"})
+# The library's defaults suit fine-tuning a pretrained transformer; these suit a small CNN trained from scratch
+# (98% on the 2,000 held-out digits after 3 epochs, alone or as 2 DDP ranks). Each is still a flag.
+DEFAULTS = dict(
+    output_dir="trainer_output", num_train_epochs=3, learning_rate=3e-3, per_device_train_batch_size=64,
+    per_device_eval_batch_size=256, eval_strategy="epoch", save_strategy="epoch", logging_steps=50,
+    report_to="none",
+    ddp_timeout=300,  # seconds to wait for a missing rank (the library's default is 30 minutes)
+    # The Trainer assumes True for models that are not PreTrainedModels: an extra graph walk every step.
+    ddp_find_unused_parameters=False,
+    # On a machine without a usable GPU, processes that the Trainer does not know to be on the CPU each train
+    # alone, without DDP. (is_available: a CUDA build of torch without a GPU says cuda otherwise.)
+    use_cpu=not torch.accelerator.is_available(),
+)
 
 
 class ArgumentParser(HfArgumentParser, cli.ArgumentParser):
-    """HfArgumentParser with one-line errors."""
+    """HfArgumentParser with the repository's one-line errors."""
 
 
-def make_parser():
-    parser = ArgumentParser((ScriptArguments, MNISTTrainingArguments))
-    # The library's defaults suit fine-tuning a pretrained transformer; these suit a small CNN trained
-    # from scratch. Each is still a flag: --learning_rate 1e-3, --use_cpu False, ...
-    parser.set_defaults(
-        output_dir="trainer_output",
-        # 98% eval accuracy after 3 epochs on 8,000 digits, alone or as 2 DDP ranks (1e-3: 96%).
-        learning_rate=3e-3,
-        per_device_eval_batch_size=256, eval_strategy="epoch", save_strategy="epoch", logging_steps=50,
-        report_to="none",
-        # The Trainer assumes True for models that are not PreTrainedModels: an extra graph walk every step.
-        ddp_find_unused_parameters=False,
-        # Without use_cpu, processes on a machine without GPUs would each train alone, without DDP.
-        use_cpu=not torch.accelerator.is_available(),
-    )
-    return parser
-
-
-def init_distributed(flags):
-    """Start the process group when a launcher started us, before TrainingArguments would: on CPUs the
-    Trainer leaves out --ddp_timeout (a missing rank would stall everyone for 30 minutes), and a backend
-    this machine lacks would end in a traceback. Returns the backend, None for a single process."""
+def start_process_group(flags):
+    """Start the process group when a launcher started us, before TrainingArguments would: made from flags, it
+    sets up the devices at once, and on the CPU it leaves out --ddp_timeout. Returns the backend, None alone."""
     if "WORLD_SIZE" not in os.environ:
         return None
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if not flags["use_cpu"] and not torch.accelerator.is_available():
-        raise UsageError("--use_cpu False on a machine without GPUs: the Trainer would then train each process "
-                         "alone instead of with DDP; leave --use_cpu at its default")
-    accelerator = None if flags["use_cpu"] else torch.accelerator.current_accelerator()
+        raise UsageError("--use_cpu False on a machine without a usable GPU: the Trainer would then train each "
+                         "process alone instead of with DDP; leave --use_cpu at its default")
+    accelerator = None if flags["use_cpu"] else torch.accelerator.current_accelerator(check_available=True)
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = check_backend(flags["ddp_backend"] or dist.get_default_backend_for_device(device), device,
-                            local_world_size)
+                            int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # Under torchrun, a store of this group's own: torchrun's outlives a restart with the old group's keys.
+    # A store of this group's own: torchrun's outlives a restart with the old group's keys (docs/failures.md).
     dist.init_process_group(backend, store=group_store(rank, world_size, flags["ddp_timeout"]), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=flags["ddp_timeout"]),
                             device_id=device if accelerator else None)
+    threads = share_cores(device)  # processes sharing a machine share its cores
+    if threads and rank == 0:
+        print(threads, flush=True)
     flags["ddp_backend"] = backend
     return backend
 
 
-def newest_checkpoint(output_dir):
-    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-
-
 def checkpoint_to_resume(value, output_dir):
-    """--resume_from_checkpoint: a checkpoint folder, or last/True for the newest one in output_dir."""
+    """--resume_from_checkpoint: a checkpoint folder, or last/True for the newest one in output_dir. Without it,
+    a group that torchrun restarted after a failure goes on from the newest checkpoint, not from scratch."""
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     if value is None:
-        # torchrun --max_restarts starts the same command again after a failure: go on from the newest
-        # checkpoint instead of training from scratch.
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-        return newest_checkpoint(output_dir) if restarted else None
+        return last if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 else None
     if value.lower() in ("last", "true"):
-        last = newest_checkpoint(output_dir)
         if last is None:
-            raise UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no checkpoint-N folder "
-                                 "to resume from; leave the flag out to start afresh")
+            raise UsageError(f"--resume_from_checkpoint {value}: {output_dir} holds no checkpoint-N folder to "
+                             "resume from; leave the flag out to start afresh")
         return last
     if not os.path.isfile(os.path.join(value, "trainer_state.json")):
         raise UsageError(f"--resume_from_checkpoint {value}: not a Trainer checkpoint (no trainer_state.json); "
-                             f"give a checkpoint-N folder or 'last'")
+                         "give a checkpoint-N folder or 'last'")
     return value
 
 
@@ -141,11 +119,11 @@ class RunSpan(TrainerCallback):
 
 
 def eval_metrics(prediction):
-    """Accuracy and loss over the evaluation set, each image counted once at any world size (README: uneven
-    data). The Trainer hands over the logits and labels of all ranks with the padding that evened out the
-    ranks' shards already removed (accelerate's gather_for_metrics), so the counts are exact. Its own eval_loss
-    is not: it averages per-batch means and weighs each rank's short last batch like a full one. The "loss"
-    returned here takes its place (the Trainer prefixes it to eval_loss after setting its own)."""
+    """Accuracy and loss over the evaluation set, each image counted once at any world size (docs/uneven-data.md).
+    The Trainer hands over the logits and labels of all ranks with the padding that evened out the ranks'
+    shards already removed (accelerate's gather_for_metrics), so the counts are exact. Its own eval_loss is not:
+    it averages per-batch means and weighs each rank's short last batch like a full one. The "loss" returned
+    here takes its place (the Trainer prefixes it to eval_loss after setting its own)."""
     logits, labels = torch.tensor(prediction.predictions), torch.tensor(prediction.label_ids)
     correct = int((logits.argmax(-1) == labels).sum())
     return {"accuracy": correct / len(labels), "loss": F.cross_entropy(logits.double(), labels).item(),
@@ -168,46 +146,39 @@ def check_weights_identical(model, is_rank_zero):
         print(f"weights identical on all {len(digests)} ranks (sha256 {digests[0][:12]})", flush=True)
 
 
-def release_process_group(trainer):
-    """Free the DDP wrapper (the Trainer and accelerate both hold it), then destroy the process group.
-    Whoever drops the group last waits for gloo's worker threads, and one of them may still need the GIL
-    to free a finished collective's tensors: destroy_process_group waits without the GIL, a DDP wrapper
-    freed after it waits holding it, and the process hangs now and then (README: clean exits)."""
-    trainer.accelerator.free_memory()
-    trainer.model_wrapped = trainer.model
-    gc.collect()
-    dist.destroy_process_group()
-
-
 def main():
-    if mpi.launched_by_mpirun():
-        mpi.setup_environment()  # RANK, WORLD_SIZE, MASTER_ADDR, ... before anything reads them
-    parser = make_parser()
+    if launchers.launched_by_mpirun():
+        mpi.setup_environment()  # RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI, before anything reads them
+    parser = ArgumentParser((DataArguments, TrainingArguments))
+    parser.set_defaults(**DEFAULTS)
     flags = vars(parser.parse_args())
-    for flag, name in (("--max_train_samples", "max_train_samples"), ("--max_eval_samples", "max_eval_samples"),
-                       ("--timeout (--ddp_timeout)", "ddp_timeout")):
+    for name in ("max_train_samples", "max_eval_samples", "ddp_timeout"):
         if flags[name] is not None and flags[name] <= 0:
-            parser.error(f"{flag} must be positive, got {flags[name]}")
+            parser.error(f"--{name} must be positive, got {flags[name]}")
     # Every rank loads the data before waiting for any other, so bad data stops them all at once.
-    splits = load_mnist_splits(flags["data_dir"], flags["cache_dir"])
-    backend = init_distributed(flags)
+    splits, note = load_mnist_splits(flags["data_dir"], flags["cache_dir"])
+    backend = start_process_group(flags)
     try:
-        script_args, training_args = parser.parse_dict(flags)
+        data_args, training_args = parser.parse_dict(flags)  # TrainingArguments now finds the process group
     except ValueError as error:  # flags that contradict each other
         raise UsageError(one_line(error)) from None
     checkpoint = checkpoint_to_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    # Rank 0 saves the checkpoints: now, not at the first save, it checks that it can, and that no other run does.
+    snapshot.claim_directory(training_args.output_dir, saves=training_args.process_index == 0)
 
     train_set, eval_set = splits["train"], splits["test"]
-    if script_args.max_train_samples:
-        train_set = train_set.select(range(min(script_args.max_train_samples, len(train_set))))
-    if script_args.max_eval_samples:
-        eval_set = eval_set.select(range(min(script_args.max_eval_samples, len(eval_set))))
+    if data_args.max_train_samples:
+        train_set = train_set.select(range(min(data_args.max_train_samples, len(train_set))))
+    if data_args.max_eval_samples:
+        eval_set = eval_set.select(range(min(data_args.max_eval_samples, len(eval_set))))
     set_seed(training_args.seed)  # the same initial weights on every rank
     span = RunSpan()
     trainer = Trainer(model=SimpleCNN(), args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collate, compute_metrics=eval_metrics, callbacks=[span])
     rank_zero = trainer.is_world_process_zero()
     if rank_zero:
+        if note:
+            print(note, flush=True)
         print(f"Training SimpleCNN on {len(train_set)} images, evaluating on {len(eval_set)} | "
               f"world size {training_args.world_size} | backend {backend or 'none'} | "
               f"device {training_args.device}" + (f" | resuming from {checkpoint}" if checkpoint else ""),
@@ -234,7 +205,8 @@ def main():
                            losses[-1] if losses else result.training_loss, round(epochs * len(train_set)),
                            wall, training_args.world_size, backend or "none"), flush=True)
     if dist.is_initialized():
-        release_process_group(trainer)
+        teardown.release_trainer(trainer)  # the DDP wrapper the Trainer and accelerate hold (see there)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

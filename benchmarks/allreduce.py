@@ -33,11 +33,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import report  # noqa: E402
-from ddp_common import cli, mpi  # noqa: E402
+import torch.distributed.nn  # noqa: E402,F401  imported before any process group: docs/failures.md, clean exits
+from ddp_common import cli, launchers, mpi  # noqa: E402
+from ddp_common.devices import check_backend  # noqa: E402
 from ddp_common.errors import UsageError  # noqa: E402
-from ddp_common.distributed import check_backend, group_store, require_torchrun, synchronize  # noqa: E402
+from ddp_common.rendezvous import group_store  # noqa: E402
 
 ELEMENT = torch.tensor([], dtype=torch.float32).element_size()
+
+
+def synchronize(device):
+    """Wait for the device to finish: GPUs run asynchronously, so a clock read without this stops early."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def byte_size(text):
@@ -193,17 +201,16 @@ def main(args):
         args.max_size, args.repeats, args.warmup, args.seconds = min(args.max_size, 64 * 2 ** 10), 5, 2, 0.05
     sizes = sizes_between(args.min_size, args.max_size)
     comm = None
-    if mpi.launched_by_mpirun():
+    if launchers.launched_by_mpirun():
         launcher = "mpirun"
         mpi.setup_environment()
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
     else:
         launcher = "torchrun"
-    require_torchrun(__file__)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
     if accelerator:
@@ -251,4 +258,4 @@ if __name__ == "__main__":
                         help="a smoke run: sizes up to 64K, few iterations (for tests, not for numbers)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON and PNG")
     cli.add_distributed_args(parser)
-    cli.run(main, parser.parse_args())
+    cli.run(main, parser)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_common.data import write_idx
+from ddp_common.mnist import write_idx
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # torchrun and mpirun are installed beside this python
@@ -71,8 +71,8 @@ LAUNCHES = {
     "multigpu_torchrun.py": (torchrun_cmd, "--total_epochs 1 --save_every 1", EPOCH),
     "multinode.py": (torchrun_cmd, "--total_epochs 1 --save_every 1", EPOCH),
     "torchrun_ddp.py": (torchrun_cmd, "--epochs 1 --save_every 1 --snapshot_path {tmp}/snapshot.pt", EPOCH),
-    "torchrun_ddp.py --comm_hook powersgd --zero": (torchrun_cmd, "--epochs 1 --save_every 1 --snapshot_path "
-                                                                  "{tmp}/snapshot.pt --comm_hook powersgd --zero", EPOCH),
+    "by_feature/powersgd_with_zero.py": (torchrun_cmd, "--epochs 1 --save_every 1 --snapshot_path {tmp}/snapshot.pt "
+                                                       "--comm_hook powersgd", EPOCH),
     "fsdp.py": (torchrun_cmd, "--total_epochs 1 --save_every 1 --async_save --snapshot_path {tmp}/checkpoints", EPOCH),
     "ddp.py": (python_cmd, "--backend gloo --epochs 1 --world_size 2", EPOCH),
     "run_with_torchrun.py": (torchrun_cmd, "", TABLE),

@@ -48,12 +48,20 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import report  # noqa: E402
+import torch.distributed.nn  # noqa: E402,F401  imported before any process group: docs/failures.md, clean exits
 from ddp_common import cli, comm_hooks  # noqa: E402
 from ddp_common.comm_hooks import CommHook  # noqa: E402
-from ddp_common.data import mnist_test_split  # noqa: E402
-from ddp_common.distributed import check_backend, free_port, synchronize  # noqa: E402
+from ddp_common.devices import check_backend  # noqa: E402
+from ddp_common.mnist import mnist_tensors  # noqa: E402
 from ddp_common.models import MLP, LinearClassifier, SimpleCNN  # noqa: E402
+from ddp_common.rendezvous import free_port  # noqa: E402
 from ddp_common.sharding import ShardSampler  # noqa: E402
+
+def synchronize(device):
+    """Wait for the device to finish: GPUs run asynchronously, so a clock read without this stops early."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
 
 # name: (model, per-rank batch, one sample's shape, labels (classes) or regression targets (None), description)
 MODELS = {
@@ -168,7 +176,7 @@ def timed(case, state, steps, device):
 def held_out_accuracy(case, device, rank, world_size, args):
     """Train a fresh SimpleCNN with this case's settings for --accuracy_steps steps on 8,000 MNIST images
     (batch 64 per rank, a new shuffle each epoch), then score it on the other 2,000, each image on one rank."""
-    train_set, eval_set = mnist_test_split(args.data_dir)
+    train_set, eval_set, _ = mnist_tensors(args.data_dir)
     model, optimizer, _ = case.build(device, args, lr=ACCURACY_LR)
     sampler = DistributedSampler(train_set, world_size, rank, seed=0)
     batches = DataLoader(train_set, batch_size=MODELS[case.model_name][1], sampler=sampler)
@@ -194,8 +202,9 @@ def held_out_accuracy(case, device, rank, world_size, args):
     return counts[0].item() / counts[1].item()
 
 
+@cli.rank_main
 def worker(rank, world_size, backend, port, cases, args, result_path):
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
     if accelerator:
         torch.accelerator.set_device_index(device.index)
@@ -229,13 +238,12 @@ def worker(rank, world_size, backend, port, cases, args, result_path):
 
 
 def spawn(world_size, cases, args):
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")  # the ranks' kind
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        mp.spawn(cli.run_rank, args=(worker, world_size, backend, free_port(), cases, args, result_path),
-                 nprocs=world_size)
+        mp.spawn(worker, args=(world_size, backend, free_port(), cases, args, result_path), nprocs=world_size)
         with open(result_path) as f:
             return backend, json.load(f)
 
@@ -427,7 +435,7 @@ def main(args):
         args.repeats, args.seconds, args.warmup = 1, 0.1, 2
         args.accuracy_steps = min(args.accuracy_steps, 3)
     if args.accuracy_steps and "cnn" in args.models:
-        mnist_test_split(args.data_dir)  # missing or broken files: one line now, not one per rank later
+        mnist_tensors(args.data_dir)  # missing or broken files: one line now, not one per rank later
     cores = len(os.sched_getaffinity(0))
     machine = report.machine()
     print(report.machine_line(machine), flush=True)
@@ -484,13 +492,13 @@ if __name__ == "__main__":
                         help="instead: time DataLoader, per-step loss.item(), DDP bucket settings and Join one by one")
     parser.add_argument("--quick", action="store_true", help="1 repeat of 0.1 s: a smoke run, not numbers")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON and PNG")
-    cli.add_comm_hook_args(parser, several=True)  # --comm_hook HOOK..., --powersgd_rank, --powersgd_warmup
+    comm_hooks.add_args(parser, several=True)  # --comm_hook HOOK..., --powersgd_rank, --powersgd_warmup
     parser.add_argument("--zero", action="store_true", help="also time DDP with ZeroRedundancyOptimizer")
     parser.add_argument("--accuracy_steps", type=cli.non_negative_int, default=None,
                         help="SimpleCNN: train this many steps per setting on MNIST and report held-out accuracy; "
                              "0: none (default 300 when settings are compared, else 0)")
-    parser.add_argument("--data_dir", type=Path, default=report.REPO / "tests" / "data" / "mnist",
+    parser.add_argument("--data_dir", type=Path, default=report.REPO / "data" / "mnist",
                         help="folder with MNIST's t10k-images/labels-idx files, split 8,000 / 2,000 (default: the "
                              "tests' copy)")
     cli.add_distributed_args(parser)
-    cli.run(main, parser.parse_args())
+    cli.run(main, parser)

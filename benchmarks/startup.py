@@ -86,4 +86,4 @@ if __name__ == "__main__":
     parser.add_argument("--launch_timeout", type=cli.positive_float, default=300,
                         help="seconds before a launch is killed and counted as failed (default 300)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON")
-    cli.run(main, parser.parse_args())
+    cli.run(main, parser)

@@ -1,25 +1,20 @@
-"""What the example scripts share but none of them is about.
+"""What the example scripts share but none of them is about. Importing it changes nothing in torch.
 
-- ``cli``: argument types, one-line errors instead of tracebacks, the flags every training script has.
-- ``distributed``: backend and device choice, free ports, launcher detection, the summary line.
-- ``snapshot``: atomic snapshots with model, optimizer, epoch counter and RNG states.
-- ``sharding``: a sampler that puts every sample on exactly one rank; what uneven shards need around Join.
-- ``models``: the tutorial MLP, the linear classifier and SimpleCNN.
-- ``data``: deterministic synthetic datasets and an MNIST IDX reader.
-- ``hf_data``: MNIST as a ``datasets`` dataset (Hub, IDX files or save_to_disk) and its collate function.
+- ``cli``: the flags the scripts share, and ``cli.run``, the entry point that turns an error into one line.
+- ``launchers``: what the launcher told this process (torchrun, mp.spawn, mpirun), elastic jobs.
+- ``devices``: checks of the backend against the machine, CPU cores shared between processes.
+- ``rendezvous``: free ports, addresses checked before any process starts, a store that survives restarts.
 - ``mpi``: from an mpirun launch to the variables torch.distributed reads.
+- ``snapshot``: snapshot files written atomically, checked when read, claimed by one run at a time.
+- ``checkpoint_dir``: the directories of sharded (DCP) checkpoints: complete ones only, newest first.
+- ``teardown``: what must let go of the process group before destroy_process_group, for a clean exit.
+- ``memory``: bytes of parameters, gradients and optimizer state that a rank holds.
+- ``progress``: the summary line every training script ends with.
+- ``sharding``: a sampler that puts every sample on exactly one rank (no padding).
+- ``comm_hooks``: DDP communication hooks by name, their bytes per step, PowerSGD's state.
 - ``collectives``: the collectives of the run_with_* scripts, each checked exactly on every rank.
-- ``envfile``: MASTER_ADDR and MASTER_PORT from a .env file, validated.
+- ``models``, ``data``, ``mnist``: the models, synthetic datasets, and MNIST from its IDX files.
 
-The lesson of each script (how its launcher starts processes, how DDP wraps the model,
-how the training loop runs) stays in the script itself.
+What a script teaches (how its launcher starts processes, the device and process group, the DDP or FSDP
+wrap, the sampler, what its snapshot holds and who saves it) stays in the script itself.
 """
-
-# Imported here, before any script creates its process group: torch.distributed.nn gives its functions
-# `group=group.WORLD` as default arguments. DDP's constructor imports it lazily, and imported then those
-# defaults hold the live group for good: destroy_process_group() can no longer free it, gloo's worker
-# threads run on into interpreter shutdown, and one of them finishing a collective there takes the GIL,
-# is ended by Python with pthread_exit and aborts the process ("terminate called without an active
-# exception", SIGABRT) after the run has finished. Imported first, the defaults are None.
-# (Found with a core dump: README, "Clean exits"; benchmarks/clean_exit.py counts them.)
-import torch.distributed.nn  # noqa: E402,F401

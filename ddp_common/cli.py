@@ -1,6 +1,14 @@
-"""Command-line plumbing: flag types, the tutorial's common flags, and the entry point that turns an error
-into one line."""
+"""The command line: the flags the scripts share (one spelling each), their types, and the entry point that
+turns an error into one line.
+
+    parser = cli.training_parser("Step 3: ...", snapshot_path="multigpu_torchrun.pt", distributed=True)
+    cli.run(main, parser)            # main(args)
+
+    @cli.rank_main                   # each process mp.spawn starts: errors become one line here too
+    def main(rank, world_size, args): ...
+"""
 import argparse
+import functools
 import os
 import sys
 import time
@@ -10,15 +18,37 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_common.elastic import after_lost_peers
+from ddp_common import launchers
+from ddp_common.devices import BACKENDS
 from ddp_common.errors import CheckFailed, PeerLostError, UsageError, one_line
 
 
+class FlagError(UsageError):
+    """A flag the parser refused: printed as argparse prints it, `script.py: error: ...`."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad flag costs one line of output instead of a usage block."""
+    """argparse, but a bad flag is a FlagError: one line, printed by cli.run once per node, not a usage block
+    from every process."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        raise FlagError(f"{self.prog}: error: {message} (see --help)")
+
+
+class TrainingParser(ArgumentParser):
+    """The flags of a training script. The upstream tutorial's positional form `TOTAL_EPOCHS SAVE_EVERY` is the
+    same as --total_epochs and --save_every; --epochs is another name for --total_epochs."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for name in ("total_epochs", "save_every"):
+            if not hasattr(parsed, name):
+                continue
+            positional, flag = getattr(parsed, name + "_arg", None), getattr(parsed, name)
+            if positional is not None and flag is not None and positional != flag:
+                self.error(f"{name} given twice, as {positional} and as --{name} {flag}")
+            setattr(parsed, name, flag or positional or self.get_default("default_" + name))
+        return parsed
 
 
 def positive_int(text):
@@ -61,10 +91,19 @@ def port_number(text):
     return value
 
 
-def add_training_args(parser, total_epochs=50, save_every=10, batch_size=32, positional=True, snapshots=True,
-                      snapshot_path="snapshot.pt"):
-    """The flags every training script shares, one spelling each. `positional` also accepts the upstream
-    tutorial's form `TOTAL_EPOCHS SAVE_EVERY`; --epochs is another name for --total_epochs."""
+def seconds(text):
+    """A positive number of seconds, as the timedelta torch.distributed takes."""
+    return timedelta(seconds=positive_float(text))
+
+
+def training_parser(description, snapshot_path=None, total_epochs=50, save_every=10, batch_size=32,
+                    positional=True, distributed=False, world_size=False):
+    """The parser of a training script: --total_epochs (--epochs), --batch_size, --seed, and with a
+    `snapshot_path` default --save_every and --snapshot_path; `positional` also takes the upstream tutorial's
+    `TOTAL_EPOCHS SAVE_EVERY`; `distributed` adds --backend and --timeout, `world_size` --world_size (the
+    processes a script starts itself)."""
+    parser = TrainingParser(description=description)
+    snapshots = snapshot_path is not None
     if positional:
         parser.add_argument("total_epochs_arg", nargs="?", type=positive_int, metavar="total_epochs",
                             help="same as --total_epochs (the upstream tutorial's positional form)")
@@ -83,31 +122,23 @@ def add_training_args(parser, total_epochs=50, save_every=10, batch_size=32, pos
                             help=f"snapshot to resume from and to write to; a missing one means a fresh start "
                                  f"(default {snapshot_path})")
     parser.set_defaults(default_total_epochs=total_epochs, default_save_every=save_every)
+    if world_size:
+        add_world_size_arg(parser)
+    if distributed:
+        add_distributed_args(parser)
+    return parser
 
 
-def training_args(parser, argv=None):
-    """Parse, folding the positional form of add_training_args into the flags and filling the defaults."""
-    args = parser.parse_args(argv)
-    for name in ("total_epochs", "save_every"):
-        if not hasattr(args, name):
-            continue
-        positional, flag = getattr(args, name + "_arg", None), getattr(args, name)
-        if positional is not None and flag is not None and positional != flag:
-            parser.error(f"{name} given twice, as {positional} and as --{name} {flag}")
-        setattr(args, name, flag or positional or getattr(args, "default_" + name))
-    return args
+def add_world_size_arg(parser):
+    parser.add_argument("--world_size", type=positive_int, help="processes to start (default: one per GPU, or 2 "
+                                                                "without GPUs)")
 
 
 def add_distributed_args(parser):
     """--backend and --timeout, the flags of every script that starts a process group."""
-    from ddp_common.distributed import add_backend_arg  # the distributed module imports this one
-    add_backend_arg(parser)
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="process-group backend (default: the device's, nccl on CUDA GPUs and gloo on the CPU)")
     add_timeout_arg(parser)
-
-
-def seconds(text):
-    """A positive number of seconds, as the timedelta torch.distributed takes."""
-    return timedelta(seconds=positive_float(text))
 
 
 def add_timeout_arg(parser, default=300):
@@ -117,64 +148,82 @@ def add_timeout_arg(parser, default=300):
 
 
 def add_linear_args(parser, input_size=100):
-    """The flags of the linear classifier (torchrun_ddp.py, ddp.py) besides add_training_args'."""
+    """The flags of the linear classifier (torchrun_ddp.py, ddp.py, by_feature/) besides the training parser's."""
     parser.add_argument("--input_size", type=positive_int, default=input_size,
                         help=f"features per sample (default {input_size})")
     parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
 
 
-def add_comm_hook_args(parser, several=False):
-    """--comm_hook (with several=True, a list of hooks to compare) and PowerSGD's settings."""
-    from ddp_common.comm_hooks import HOOKS
-    parser.add_argument("--comm_hook", choices=HOOKS, nargs="+" if several else None,
-                        default=["none"] if several else "none",
-                        help="what DDP sends per step: none (fp32 gradients), fp16 or bf16 (gradients cast to "
-                             "16 bits), powersgd (low-rank factors of each gradient matrix); default none")
-    parser.add_argument("--powersgd_rank", type=positive_int, default=1,
-                        help="powersgd: rank of the factors; higher sends more and keeps more (default 1)")
-    parser.add_argument("--powersgd_warmup", type=positive_int, default=10,
-                        help="powersgd: plain all-reduce steps before compressing, at least 2 (default 10)")
-
-
+# How long a process other than its node's first waits after a usage error before it speaks (see run).
+# Measured here: torchrun stops the other workers some 0.1-0.5 s after the first one exits; mp.spawn sooner.
 SPEAKER_WAIT_S = 5.0
 
 
-def run(main, *args, **kwargs):
-    """The entry point of every script: call main(*args, **kwargs) and return what it returns. An error the user can
-    act on becomes one line on stderr and an exit code (2: usage, 1: lost peers or a failed check, 130:
-    interrupted); anything else is a bug and keeps its traceback.
+def run(main, parser=None):
+    """The entry point of every script: main(args), args parsed by `parser` (main() without one); returns what
+    main returns. What it does besides:
 
-    After an error the process ends at once (os._exit), without Python's shutdown: a rank that lost its
-    peers may still have collectives in flight, and tearing the process group down then can hang or abort
-    the process (README: clean exits). Snapshots are written atomically, so nothing finished is lost."""
+    - Under a launcher, it ties this process's life to the launcher's (launchers.die_with_launcher).
+    - An error the user can act on becomes one line on stderr and an exit code: 2 for usage (a flag, a file, the
+      launcher, a snapshot that does not fit the model), 1 for lost peers or a failed check, 130 when
+      interrupted. Anything else is a bug and keeps its traceback.
+    - A usage error is the same for every process of a node (same flags, files, launcher), so the node's first
+      process speaks for all: the others wait SPEAKER_WAIT_S for the launcher to stop them (it does, once the
+      first has exited) and speak only if it does not come (the error was theirs alone). Without the wait, every
+      process of a node prints the same line.
+    - After an error the process ends at once (os._exit), without Python's shutdown: a rank that lost its peers
+      may still have collectives in flight, and tearing the process group down then can hang or abort the
+      process (docs/failures.md: clean exits). Snapshots are written atomically, so nothing finished is lost."""
+    launchers.die_with_launcher()
     try:
-        return main(*args, **kwargs)
+        return main(parser.parse_args()) if parser is not None else main()
     except UsageError as error:
-        # Flags, files and launchers are the same for every process of a node, so each would print the same
-        # line: the node's first process speaks for all of them. The others wait for it to exit, which makes
-        # the launcher stop them, and speak only if that does not come (the error was theirs alone).
-        if local_rank() != 0:
+        if launchers.local_rank() != 0:
             time.sleep(SPEAKER_WAIT_S)
-        exit_now(2, error)
+        exit_now(2, error if isinstance(error, FlagError) else f"error: {error}")
     except (PeerLostError, CheckFailed) as error:
-        exit_now(1, error)
+        exit_now(1, f"error: {error}")
+    except KeyError as error:
+        if error.args and error.args[0] in launchers.TORCHRUN_VARIABLES:  # os.environ["RANK"] without torchrun
+            exit_now(2, f"error: {launchers.torchrun_hint(sys.argv[0])}")
+        bug()
     except mp.ProcessExitedException as error:  # mp.spawn: one of our processes failed
         if error.exit_code is not None and error.exit_code > 0:
             exit_now(error.exit_code)  # it printed its own reason
         # Killed by a signal, it could not say why: say which one it was.
-        exit_now(1, f"process {error.error_index} (pid {error.error_pid}) was killed by "
+        exit_now(1, f"error: process {error.error_index} (pid {error.error_pid}) was killed by "
                     f"{error.signal_name or 'a signal'}; mp.spawn stopped the others. Start again to resume from "
                     "the last snapshot")
-    except (dist.DistError, RuntimeError) as error:
-        if not isinstance(error, dist.DistError) and not is_transport_error(error):
-            traceback.print_exc()
-            exit_now(1)
-        exit_now(1, f"lost contact with the other ranks ({one_line(error)}); {after_lost_peers()}")
+    except (dist.DistError, RuntimeError, ValueError) as error:
+        if misfit(error):
+            exit_now(2, f"error: a snapshot does not fit this model or optimizer ({one_line(error)}); it belongs to "
+                        "another model or other flags: move it away or pass another --snapshot_path")
+        if isinstance(error, dist.DistError) or is_transport_error(error):
+            exit_now(1, f"error: lost contact with the other ranks ({one_line(error)}); "
+                        f"{launchers.after_lost_peers()}")
+        bug()
     except KeyboardInterrupt:
-        exit_now(130, "interrupted")
+        exit_now(130, "error: interrupted")
     except Exception:
-        traceback.print_exc()
-        exit_now(1)
+        bug()
+
+
+def rank_main(main):
+    """Decorate the function each process of mp.spawn runs, main(rank, ...): run's one-line errors in that
+    process, which then exits with the code (mp.spawn passes it on to the parent's run, which says nothing
+    more). mp.spawn pickles the function by name, and the decorated one is what the module holds under it."""
+    @functools.wraps(main)
+    def process(index, *args):
+        launchers.spawned_as(index)
+        return run(functools.partial(main, index, *args))
+    return process
+
+
+def misfit(error):
+    """Whether `error` is torch refusing a state dict of another model (load_state_dict) or optimizer."""
+    text = str(error)
+    return ((isinstance(error, RuntimeError) and text.startswith("Error(s) in loading state_dict"))
+            or (isinstance(error, ValueError) and "loaded state dict" in text))
 
 
 def is_transport_error(error):
@@ -183,32 +232,15 @@ def is_transport_error(error):
     return "gloo/transport" in text or "Gloo connectFullMesh failed" in text
 
 
-def run_rank(rank, main, *args):
-    """`run` for mp.spawn, which passes the process index first: mp.spawn(cli.run_rank, args=(main, ...))."""
-    global _spawn_index
-    _spawn_index = rank
-    return run(main, rank, *args)
+def bug():
+    traceback.print_exc()
+    exit_now(1)
 
 
-_spawn_index = None
-
-
-def local_rank():
-    """This process's number on its node: the mp.spawn index, LOCAL_RANK under torchrun, the MPI
-    implementation's variable under mpirun; 0 for a process that runs alone."""
-    from ddp_common.mpi import LOCAL_RANK_VARIABLES
-    if _spawn_index is not None:
-        return _spawn_index
-    for name in ("LOCAL_RANK", *LOCAL_RANK_VARIABLES):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
-
-
-def exit_now(code, message=None):
+def exit_now(code, line=None):
     sys.stdout.flush()
     sys.stderr.flush()
-    if message is not None:
+    if line is not None:
         # One write: ranks share the launcher's stderr, and print() can write text and newline apart.
-        os.write(2, f"error: {message}\n".encode(errors="backslashreplace"))
+        os.write(2, f"{line}\n".encode(errors="backslashreplace"))
     os._exit(code)

@@ -16,17 +16,31 @@ powersgd          torch's powerSGD_hook: each gradient matrix M (n x m) is sent 
 batched_powersgd  refused: torch's batched_powerSGD_hook fails on its first compressed step with an
                   AssertionError (it hands one matrix to _orthogonalize, which asserts a batch of them).
 """
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from ddp_common import snapshot
-from ddp_common.distributed import tensor_bytes
+from ddp_common.cli import positive_int
 from ddp_common.errors import UsageError
+from ddp_common.memory import tensor_bytes
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "batched_powersgd")
 BYTES_PER_ELEMENT = {"none": 4, "fp16": 2, "bf16": 2, "powersgd": 4}
+
+
+def savable_numpy_state(state):
+    """A numpy generator's get_state() (PowerSGD keeps one) in types that weights_only loading accepts: the
+    MT19937 keys, a numpy array, travel as a tensor."""
+    name, keys, *rest = state
+    return (name, torch.from_numpy(keys.astype(np.int64)), *rest)
+
+
+def numpy_state(saved):
+    """The inverse of savable_numpy_state, for set_state()."""
+    name, keys, *rest = saved
+    return (name, keys.numpy().astype(np.uint32), *rest)
 
 
 def bf16_hook(process_group, bucket):
@@ -40,6 +54,18 @@ def bf16_hook(process_group, bucket):
         return buffer
 
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+def add_args(parser, several=False):
+    """--comm_hook (with several=True, a list of hooks to compare) and PowerSGD's settings."""
+    parser.add_argument("--comm_hook", choices=HOOKS, nargs="+" if several else None,
+                        default=["none"] if several else "none",
+                        help="what DDP sends per step: none (fp32 gradients), fp16 or bf16 (gradients cast to "
+                             "16 bits), powersgd (low-rank factors of each gradient matrix); default none")
+    parser.add_argument("--powersgd_rank", type=positive_int, default=1,
+                        help="powersgd: rank of the factors; higher sends more and keeps more (default 1)")
+    parser.add_argument("--powersgd_warmup", type=positive_int, default=10,
+                        help="powersgd: plain all-reduce steps before compressing, at least 2 (default 10)")
 
 
 def check(name, powersgd_warmup):
@@ -120,7 +146,7 @@ class CommHook:
             return None
         state = self.powersgd
         return {"iter": state.iter, "error": dict(state.error_dict), "p": dict(state.p_memory_dict),
-                "q": dict(state.q_memory_dict), "rng": snapshot.savable_numpy_state(state.rng.get_state()),
+                "q": dict(state.q_memory_dict), "rng": savable_numpy_state(state.rng.get_state()),
                 "numel": (state.total_numel_before_compression, state.total_numel_after_compression)}
 
     def load_state_dict(self, saved):
@@ -128,7 +154,7 @@ class CommHook:
         state.iter = saved["iter"]
         state.error_dict, state.p_memory_dict, state.q_memory_dict = dict(saved["error"]), dict(saved["p"]), \
             dict(saved["q"])
-        state.rng.set_state(snapshot.numpy_state(saved["rng"]))
+        state.rng.set_state(numpy_state(saved["rng"]))
         state.total_numel_before_compression, state.total_numel_after_compression = saved["numel"]
 
     def gather_state(self):

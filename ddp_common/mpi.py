@@ -10,26 +10,20 @@ import socket
 
 import torch
 
-from ddp_common.distributed import free_port
-
-# Each MPI implementation names the rank within the node differently.
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
-LAUNCHED_BY_MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
-
-
-def launched_by_mpirun():
-    return any(name in os.environ for name in LAUNCHED_BY_MPI_VARIABLES)
+from ddp_common.devices import cpu_threads_for
+from ddp_common.launchers import MPI_LOCAL_RANK_VARIABLES
+from ddp_common.rendezvous import free_port
 
 
 def local_rank_and_size(comm):
     """(local rank, processes on this node, where the local rank came from): from the MPI implementation's
     variable where it sets one, else from a split of `comm` by shared memory (one group per node)."""
-    from mpi4py import MPI  # imported here: scripts that never see mpirun need no MPI library
+    from mpi4py import MPI  # here, not above: importing it starts MPI, which only an mpirun launch needs
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     local_rank, local_size, source = node.Get_rank(), node.Get_size(), "MPI shared-memory split"
     node.Free()
-    for name in LOCAL_RANK_VARIABLES:
+    for name in MPI_LOCAL_RANK_VARIABLES:
         if name in os.environ:
             local_rank, source = int(os.environ[name]), name
             break
@@ -49,7 +43,7 @@ def setup_environment():
     """Set RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from MPI, as torchrun
     would, and give each process its share of the CPU cores (mpirun, unlike torchrun, leaves
     OMP_NUM_THREADS unset, and every process would start a thread per core)."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not above: importing it starts MPI, which only an mpirun launch needs
 
     comm = MPI.COMM_WORLD
     rank, world_size = comm.Get_rank(), comm.Get_size()
@@ -61,8 +55,12 @@ def setup_environment():
 
 
 def share_cores(local_world_size):
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
+    """mpirun, unlike torchrun, leaves OMP_NUM_THREADS unset: without this every process starts a thread per
+    core. Returns the threads each process takes (None: the user's OMP_NUM_THREADS stands)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    torch.set_num_threads(cpu_threads_for(local_world_size))
+    return torch.get_num_threads()
 
 
 def _own_address():

@@ -1,9 +1,10 @@
-"""Shards in which every sample is on exactly one rank, and what training on shards of unequal length needs.
+"""A sampler whose shards hold every sample on exactly one rank, evenly dealt or deliberately uneven, and what
+training uneven shards without Join comes to.
 
 DistributedSampler gives every rank a shard of the same length: it pads the last shards with samples from
 the start of the dataset (or, with drop_last=True, leaves the tail out). Equal shards keep the ranks' collectives
 in step, which training needs; but a metric summed over padded shards counts some samples twice, and one over
-shortened shards skips some, so either changes with the world size (README: uneven data).
+shortened shards skips some, so either changes with the world size (docs/uneven-data.md).
 """
 import contextlib
 
@@ -54,30 +55,6 @@ class ShardSampler(Sampler):
 
     def __len__(self):
         return shard_sizes(self.size, self.world_size, self.uneven)[self.rank]
-
-
-def last_to_finish(batches_per_rank):
-    """The rank whose model Join hands to the others when every rank has run out of batches: of those with the
-    most batches (they join last), the highest, as DistributedDataParallel picks it."""
-    most = max(batches_per_rank)
-    return max(rank for rank, batches in enumerate(batches_per_rank) if batches == most)
-
-
-def broadcast_training_state(source, optimizer, scaler=None):
-    """Copy rank `source`'s optimizer (and gradient scaler) state to every rank, after Join.
-
-    Join leaves the weights equal: it broadcasts the model of the rank that finished last. It does not touch
-    the optimizers: a rank that ran out of batches early skipped the steps the others took after it, so its
-    momentum buffers are stale, its next epoch would move its weights away from the others', and a snapshot
-    (rank 0's) would not hold the state the run goes on with."""
-    rank = dist.get_rank()
-    box = [{"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None}
-           if rank == source else None]
-    dist.broadcast_object_list(box, src=source)
-    if rank != source:
-        optimizer.load_state_dict(box[0]["optimizer"])
-        if scaler is not None:
-            scaler.load_state_dict(box[0]["scaler"])
 
 
 @contextlib.contextmanager

@@ -1,89 +1,43 @@
-"""Snapshots that resume a run exactly and survive being killed half-way through a save.
+"""Snapshot files: written atomically, checked when read, and claimed by one run at a time.
 
-A snapshot holds everything the next epoch depends on: model and optimizer state (and scheduler and
-gradient scaler where a script uses them), the number of epochs completed, and the RNG states of
-python, numpy and torch (CPU and CUDA). It is written to a temporary file, flushed to disk and renamed
-over the old one, so a crash leaves either the old or the new snapshot, never half of one.
-
-Two fields say where it comes from without changing what resumes: the world size it was saved at (training
-resumes at any size), and the id of its training run, made at a fresh start and handed on by every resume,
-so that snapshots of two different runs are never mixed. Snapshots written before either field still load.
+What a snapshot holds is each script's own business (a dict in the script: model, optimizer, epochs, RNG
+state, ...). This module only makes the file trustworthy:
+- save: a temporary file, flushed to disk and renamed over the old one, so a crash mid-save leaves either the
+  old or the new snapshot, never half of one; a marker says these scripts wrote it.
+- load: a missing file is a fresh start; a truncated, foreign or unreadable one is a one-line error and is left
+  alone (training on would overwrite it).
+- claim: before the first training step, the rank that saves proves it can create, write and rename a file
+  where the snapshot goes, and locks the path against other live runs (the lock dies with its holder, so a
+  killed run never blocks its own restart); with a process group, every rank learns of a problem at once.
 """
+import atexit
+import errno
+import fcntl
 import glob
+import json
+import multiprocessing
+import multiprocessing.util
 import os
-import random
 import socket
+import sys
+import time
 import uuid
+import zipfile
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddp_common import launchers
 from ddp_common.errors import UsageError, one_line
 
-FORMAT = "ddp-examples-snapshot-v1"
+FORMAT = "ddp-examples-snapshot-v2"
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+_locks = {}  # path -> open lock file: held for as long as this process lives
 
 
-def savable_numpy_state(state):
-    """A numpy generator's get_state() in types that weights_only loading accepts: the MT19937 keys, a numpy
-    array, travel as a tensor."""
-    name, keys, *rest = state
-    return (name, torch.from_numpy(keys.astype(np.int64)), *rest)
-
-
-def numpy_state(saved):
-    """The inverse of savable_numpy_state, for set_state()."""
-    name, keys, *rest = saved
-    return (name, keys.numpy().astype(np.uint32), *rest)
-
-
-def rng_states():
-    return {
-        "python": random.getstate(),
-        "numpy": savable_numpy_state(np.random.get_state()),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_states(states):
-    random.setstate(states["python"])
-    np.random.set_state(numpy_state(states["numpy"]))
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-_run_id = None  # this process's training run: adopted from the snapshot it resumed, or made at its first save
-
-
-def run_id():
-    global _run_id
-    if _run_id is None:
-        _run_id = uuid.uuid4().hex
-    return _run_id
-
-
-def unwrap(model):
-    """The model inside DDP or DataParallel, so snapshot keys carry no `module.` prefix."""
-    return getattr(model, "module", model)
-
-
-def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, **extra):
-    """Write a snapshot atomically: a reader, or the next start after a crash, sees the old or the new one.
-    `extra` entries (a script's own state, e.g. its communication hook's) are stored beside the others."""
-    state = {
-        "format": FORMAT,
-        "epochs_run": epochs_run,
-        "model": unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "rng": rng_states(),
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "run": run_id(),
-        **extra,
-    }
+def save(state, path):
+    """Write the dict `state` to `path` atomically: a reader, or the next start after a crash, sees the old
+    snapshot or the new one, whole."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     remove_stale_temporaries(path)
@@ -91,29 +45,205 @@ def save(path, model, optimizer, epochs_run, scheduler=None, scaler=None, **extr
     tmp_path = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     try:
         with open(tmp_path, "wb") as f:
-            torch.save(state, f)
+            torch.save({"format": FORMAT, **state}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
     finally:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
-    dir_fd = os.open(directory, os.O_RDONLY)
+    fsync_dir(directory)  # make the rename itself durable
+
+
+def load(path):
+    """The snapshot at `path` as a dict on the CPU, None if there is none. One that is truncated, that these
+    scripts did not write, or that cannot be read is a UsageError and is left alone."""
+    if not os.path.exists(path):
+        return None
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a directory, not a snapshot file; pass another --snapshot_path")
     try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise UsageError(f"snapshot {path} {unreadable(path, error)}; move it away to start afresh, or pass another "
+                         "--snapshot_path") from None
+    if not isinstance(state, dict) or "format" not in state:
+        raise UsageError(f"{path} is not a snapshot written by these scripts (torch.save wrote it, but without their "
+                         "marker); move it away to start afresh, or pass another --snapshot_path")
+    if state["format"] != FORMAT:
+        raise UsageError(f"{path} was written by another version of these scripts ({state['format']}, this one reads "
+                         f"{FORMAT}); move it away to start afresh, or pass another --snapshot_path")
+    return state
+
+
+def unreadable(path, error):
+    """Why torch.load failed, in words a user can act on."""
+    with open(path, "rb") as f:
+        head = f.read(len(ZIP_MAGIC))
+    size = os.path.getsize(path)
+    if head == ZIP_MAGIC and not zipfile.is_zipfile(path):
+        return (f"is truncated: its {size} bytes stop before the end of the archive torch.save writes (a copy cut "
+                "short, or a full disk?)")
+    if head != ZIP_MAGIC:
+        return f"is not a snapshot: {size} bytes that torch.save did not write"
+    return f"cannot be read ({type(error).__name__}: {one_line(error)})"
+
+
+def claim(path, saves=True):
+    """Every rank calls this before training: returns the snapshot at `path` (None for a fresh start) and, on
+    the ranks that `saves`, makes sure now, not at the first save, that they can write it and that no other run
+    is writing it. A problem on any rank stops every rank with the same UsageError, so that none of them is left
+    waiting for one that stopped (and reports a lost peer)."""
+    problem, state = None, None
+    try:
+        if saves:
+            check_writable(path)
+            lock(path)
+        state = load(path)
+    except UsageError as error:
+        problem = str(error)
+    agree(problem)
+    return state
+
+
+def claim_directory(path, saves=True):
+    """claim() for a directory that a library fills (the Hugging Face Trainer's output_dir): every rank calls it;
+    the ranks that `saves` check that they can create and rename files in it and lock it against other runs."""
+    problem = None
+    try:
+        if saves:
+            check_writable(os.path.join(path, "checkpoint"))
+            lock(path)
+    except UsageError as error:
+        problem = str(error).replace("the snapshot", "into", 1)
+    agree(problem)
+
+
+def agree(problem):
+    """Every rank calls this with its problem (None if it has none): with a process group, all raise the first
+    rank's problem, naming that rank; alone, raise one's own."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        found = [(rank, text) for rank, text in enumerate(problems) if text]
+        if found:
+            rank, text = found[0]
+            raise UsageError(f"{text} (on rank {rank})")
+    elif problem:
+        raise UsageError(problem)
+
+
+def check_writable(path):
+    """Create, write, fsync and rename a file beside `path`, as every save does; a UsageError naming the path
+    and the reason if any of it fails."""
+    directory = os.path.dirname(os.path.abspath(path))
+    probe = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+    doing = f"create the directory {directory}"
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        os.makedirs(directory, exist_ok=True)
+        doing = f"create a file in {directory}"
+        with open(probe, "wb") as f:
+            f.write(b"can this run write here?")
+            f.flush()
+            os.fsync(f.fileno())
+        doing = f"rename a file in {directory}"
+        os.replace(probe, probe + ".renamed")
+        os.remove(probe + ".renamed")
+    except OSError as error:
+        for leftover in (probe, probe + ".renamed"):
+            try:
+                os.remove(leftover)
+            except OSError:
+                pass
+        raise UsageError(f"cannot write the snapshot {path}: {why_not(directory, doing, error)}; pass a "
+                         "--snapshot_path where this run can create and rename files") from None
+
+
+def why_not(directory, doing, error):
+    blocking = directory
+    while blocking and not os.path.exists(blocking):
+        blocking = os.path.dirname(blocking)
+    if blocking and not os.path.isdir(blocking):
+        return f"{blocking} is a file, where a directory should be"
+    if isinstance(error, IsADirectoryError):
+        return f"{error.filename} is a directory"
+    return f"cannot {doing} ({error.strerror})"
+
+
+def lock(path):
+    """Hold `path`.lock (flock) for as long as this process lives; a UsageError naming the holder if another live
+    run holds it. The kernel lets go when the holder dies, however it dies; a holder that exits normally also
+    removes the file. Two nodes of one job may share a snapshot path (a shared filesystem, or nodes sharing a
+    machine): the second finds its own job there and goes on."""
+    if path in _locks:
+        return
+    lock_path = f"{path}.lock"
+    while True:
+        f = open(lock_path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = read_holder(f)
+            f.close()
+            if holder.get("job") is not None and holder.get("job") == launchers.job_id():
+                return  # this job's other node: it holds the lock for both
+            raise UsageError(f"{path} belongs to another run that is still going (pid {holder.get('pid', '?')} on "
+                             f"{holder.get('host', '?')}: {holder.get('command', '?')}); let it finish, or give this "
+                             "run another --snapshot_path") from None
+        # A holder that was exiting may have removed the file between our open and our lock: then we hold a lock
+        # on a file nobody else can see. Lock the file that is there now.
+        try:
+            if os.fstat(f.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    f.seek(0)
+    f.truncate()
+    json.dump({"pid": os.getpid(), "host": socket.gethostname(), "job": launchers.job_id(),
+               "command": " ".join(sys.argv)}, f)
+    f.flush()
+    _locks[path] = f
+    atexit.register(unlock, path)
+    if multiprocessing.parent_process() is not None:  # mp.spawn's processes end without running atexit
+        multiprocessing.util.Finalize(None, unlock, args=(path,), exitpriority=0)
+
+
+def unlock(path):
+    """Remove and let go of the lock of `path`, if this process holds it (at exit; again is harmless)."""
+    f = _locks.pop(path, None)
+    if f is not None:
+        try:
+            os.remove(f"{path}.lock")  # while still holding it: nobody else can hold it now
+        except OSError:
+            pass
+        f.close()
+
+
+def read_holder(f, patience_s=2.0):
+    """What the holder of a lock wrote into it: it writes just after taking the lock, so wait a moment for it."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        f.seek(0)
+        try:
+            return json.loads(f.read())
+        except ValueError:
+            if time.monotonic() > deadline:
+                return {}
+            time.sleep(0.05)
 
 
 def remove_stale_temporaries(path):
     """Delete the half-written files that writers on this host left when they were killed mid-save."""
     for tmp_path in glob.glob(f"{glob.escape(path)}.tmp.{glob.escape(socket.gethostname())}.*"):
         pid = tmp_path.rsplit(".", 1)[1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             os.remove(tmp_path)
 
 
-def _alive(pid):
+def alive(pid):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -123,100 +253,27 @@ def _alive(pid):
     return True
 
 
-def read(path):
-    """The snapshot at `path` as a dict on the CPU, None if there is none. An unreadable file, or one these
-    scripts did not write, is a UsageError and is left alone: training on would overwrite it."""
-    if not os.path.exists(path):
-        return None
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise UsageError(f"snapshot {path} cannot be read ({type(error).__name__}: {one_line(error)}); "
-                         "move it away to start afresh, or pass another --snapshot_path") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UsageError(f"{path} is not a snapshot written by these scripts; "
-                         "move it away to start afresh, or pass another --snapshot_path")
-    return state
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def restore(state, path, model, optimizer, scheduler=None, scaler=None):
-    """Put a snapshot read from `path` into model, optimizer (and scheduler, scaler) and the RNGs; return the
-    epochs it completed. One of another model or other flags is a UsageError. The next saves carry on its run."""
-    global _run_id
-    try:
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state["scheduler"] is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state["scaler"] is not None:
-            scaler.load_state_dict(state["scaler"])
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise UsageError(f"snapshot {path} does not fit this model or optimizer ({one_line(error)}); "
-                         "it belongs to another model or flags: move it away or pass another --snapshot_path"
-                         ) from None
-    set_rng_states(state["rng"])
-    _run_id = state.get("run") or _run_id  # a snapshot older than the field: its next save starts a run id
-    return state["epochs_run"]
-
-
-def load(path, model, optimizer, scheduler=None, scaler=None):
-    """Resume from the snapshot at `path`: the epochs it completed, 0 if there is none (a fresh start)."""
-    state = read(path)
-    return 0 if state is None else restore(state, path, model, optimizer, scheduler, scaler)
-
-
-def load_newest(path, model, optimizer, scheduler=None, scaler=None):
-    """Every rank calls this, each with the snapshot on its own node's disk at `path`: all ranks resume from
-    the newest snapshot that any of them holds, sent by its holder to the others. Returns (epochs, notes):
-    lines for rank 0 to print, saying where training resumes from and whether the world size changed.
-
-    Snapshots of one run differ when a node died between two saves, or joins an elastic job with an older
-    snapshot or none (README: elastic training): training on from each node's own would average gradients
-    of different models. Snapshots of two different runs are a mistake, never mixed: every rank stops with
-    the same error, and so it does for an unreadable snapshot on any rank (one rank alone stopping would
-    leave the others waiting in the next collective until the timeout)."""
-    global _run_id
-    try:
-        state, problem = read(path), None
-    except UsageError as error:
-        state, problem = None, str(error)
+def describe(state, path):
+    """What a rank tells the others of the snapshot it read (multinode.py): (epochs, run id, world size, path, a
+    new run id in case every rank starts afresh)."""
     mine = (state["epochs_run"], state.get("run"), state.get("world_size")) if state else (0, None, None)
-    held = [None] * dist.get_world_size()
-    # uuid4: a run id for a fresh start, rank 0's for all, so that every node's saves carry the same one.
-    dist.all_gather_object(held, (*mine, path, problem, uuid.uuid4().hex))
-    problems = [(rank, text) for rank, (*_, text, _) in enumerate(held) if text]
-    if problems:
-        rank, text = problems[0]
-        raise UsageError(f"{text} (on rank {rank})")
-    check_one_run(held)
-    epochs = [count for count, *_ in held]
-    newest, notes = max(epochs), []
-    if newest == 0:
-        _run_id = held[0][-1]
-        return 0, notes
-    source = epochs.index(newest)
-    if min(epochs) == newest:
-        notes.append(f"Resuming from {path} at epoch {newest}")
-    else:
-        box = [state if dist.get_rank() == source else None]
-        dist.broadcast_object_list(box, src=source)
-        state = box[0]
-        oldest = min(epochs) or "none"
-        notes.append(f"Resuming from {held[source][3]} of rank {source} at epoch {newest}, the newest snapshot, sent "
-                     f"to every rank (the ranks held from {oldest} to {newest} epochs)")
-    epochs_run = restore(state, path, model, optimizer, scheduler, scaler)
-    _run_id = state.get("run") or held[0][-1]
-    saved_at, world_size = held[source][2], dist.get_world_size()
-    if saved_at is not None and saved_at != world_size:
-        notes.append(f"World size {saved_at} -> {world_size} at epoch {epochs_run}")
-    return epochs_run, notes
+    return (*mine, path, uuid.uuid4().hex)
 
 
-def check_one_run(held):
-    """Stop if the ranks hold snapshots of different training runs; `held`: each rank's (epochs, run, world
-    size, path, ...)."""
+def one_run(held):
+    """The training run that the ranks' snapshots (`held`: describe() of every rank) belong to: its id, or for a
+    fresh start rank 0's new one. Snapshots of two different runs are a mistake (another job's files): resuming
+    from either would lose the other, so every rank stops with the same UsageError."""
     runs = {}
-    for rank, (epochs, run, _, path, *_) in enumerate(held):
+    for rank, (epochs, run, _, path, _) in enumerate(held):
         if run is not None:
             runs.setdefault(run, (rank, epochs, path))
     if len(runs) > 1:
@@ -224,3 +281,4 @@ def check_one_run(held):
         raise UsageError(f"the snapshots come from two different training runs: {path_a} on rank {rank_a} "
                          f"({epochs_a} epochs) and {path_b} on rank {rank_b} ({epochs_b} epochs); keep this job's "
                          "snapshots and move the others away, or move all away to start afresh")
+    return next(iter(runs), held[0][4])

@@ -8,7 +8,6 @@ import time
 from collections import namedtuple
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,12 +15,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.launches import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_cmd, python_cmd,  # noqa: E402,F401
                                  torchrun_cmd)
-from ddp_common.data import read_idx, write_idx  # noqa: E402
-from ddp_common.distributed import free_port  # noqa: E402,F401
+from ddp_common.mnist import read_idx, split_test_set, write_idx  # noqa: E402
+from ddp_common.rendezvous import free_port  # noqa: E402,F401
 
-# The official MNIST test set's two IDX files, carried in the repository (tests/data/mnist/README.md says
-# where they come from); MNIST_DIR points at another copy.
-MNIST = Path(os.environ.get("MNIST_DIR", REPO / "tests" / "data" / "mnist"))
+# The official MNIST test set's two IDX files, carried in the repository (data/mnist/README.md says where they
+# come from); MNIST_DIR points at another copy.
+MNIST = Path(os.environ.get("MNIST_DIR", REPO / "data" / "mnist"))
 
 
 # Every process a test launches, and every process those start (torchrun's workers live in sessions of
@@ -177,12 +176,10 @@ def collectives_issued(output):
 
 
 def assert_same_training_state(path_a, path_b):
-    """Model, optimizer, epoch count and torch RNG of two snapshots: all that the training depends on (python's
-    and numpy's generators are recorded too, but these scripts never draw from them)."""
+    """Model, optimizer, epoch count and torch RNG of two snapshots: all that the training depends on."""
     a, b = load_snapshot(path_a), load_snapshot(path_b)
-    for key in ("epochs_run", "model", "optimizer"):
+    for key in ("epochs_run", "model", "optimizer", "rng"):
         assert_bitwise_equal(a[key], b[key], key)
-    assert_bitwise_equal(a["rng"]["torch"], b["rng"]["torch"], "rng.torch")
 
 
 def assert_one_line_error(result, *fragments, code=2):
@@ -221,14 +218,13 @@ def assert_bitwise_equal(a, b, what=""):
 
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory):
-    """The real MNIST test images split 8,000 train / 2,000 eval, written as the four IDX files."""
-    images = read_idx(str(MNIST / "t10k-images-idx3-ubyte.gz"))
-    labels = read_idx(str(MNIST / "t10k-labels-idx1-ubyte.gz"))
-    order = np.random.default_rng(0).permutation(len(images))
-    train, test = order[:8000], order[8000:]
+    """The real MNIST test images split 8,000 train / 2,000 eval (as train.py splits data/mnist itself), written
+    as the four IDX files."""
+    (train_images, train_labels), (test_images, test_labels) = split_test_set(
+        read_idx(str(MNIST / "t10k-images-idx3-ubyte.gz")), read_idx(str(MNIST / "t10k-labels-idx1-ubyte.gz")))
     directory = tmp_path_factory.mktemp("mnist")
-    write_idx(str(directory / "train-images-idx3-ubyte.gz"), images[train])
-    write_idx(str(directory / "train-labels-idx1-ubyte.gz"), labels[train])
-    write_idx(str(directory / "t10k-images-idx3-ubyte.gz"), images[test])
-    write_idx(str(directory / "t10k-labels-idx1-ubyte.gz"), labels[test])
+    write_idx(str(directory / "train-images-idx3-ubyte.gz"), train_images)
+    write_idx(str(directory / "train-labels-idx1-ubyte.gz"), train_labels)
+    write_idx(str(directory / "t10k-images-idx3-ubyte.gz"), test_images)
+    write_idx(str(directory / "t10k-labels-idx1-ubyte.gz"), test_labels)
     return directory

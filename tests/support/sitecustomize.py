@@ -15,6 +15,10 @@ On request, through the environment:
   model's weights to DIR/rank<R>.pt, so a test can compare the ranks' weights itself.
 - DDP_EXAMPLES_PROBE_FAKE_GPUS=N: torch reports N CUDA GPUs and NCCL, for the checks that run before any
   GPU is touched (more ranks than GPUs).
+- DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
+  DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
+  ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
+  replicas itself. Neither holds the process group, so keeping them until then changes nothing.
 """
 import importlib.abc
 import importlib.util
@@ -50,12 +54,44 @@ def patch_c10d(module):
         if group is None and os.environ.get("DDP_EXAMPLES_PROBE_COLLECTIVES") and module.is_initialized():
             issued = module._get_default_group()._get_sequence_number_for_group()
             say(f"{COLLECTIVES} rank {module.get_rank()} issued {issued} collectives")
+        if group is None and os.environ.get("DDP_EXAMPLES_PROBE_REPLICAS") and module.is_initialized():
+            save_replica(module.get_rank())
         destroy(group)
         left = gloo_worker_threads()
         if group is None and left:
             say(f"{MARKER} ({left} gloo worker threads still run: something holds the group)")
 
     module.destroy_process_group = checked
+
+
+_replicas = {}  # "model": the module this rank wrapped in DDP, "optimizer": its (local) optimizer
+
+
+def patch_ddp(module):
+    init = module.DistributedDataParallel.__init__
+
+    def keep_module(self, wrapped, *args, **kwargs):
+        init(self, wrapped, *args, **kwargs)
+        _replicas["model"] = wrapped
+
+    module.DistributedDataParallel.__init__ = keep_module
+
+
+def patch_optimizer(module):
+    init = module.Optimizer.__init__
+
+    def keep_optimizer(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if type(self).__name__ != "ZeroRedundancyOptimizer":  # it holds the group; its local optimizer does not
+            _replicas["optimizer"] = self
+
+    module.Optimizer.__init__ = keep_optimizer
+
+
+def save_replica(rank):
+    import torch
+    state = {"model": _replicas["model"].state_dict(), "optimizer": _replicas["optimizer"].state_dict()}
+    torch.save(state, os.path.join(os.environ["DDP_EXAMPLES_PROBE_REPLICAS"], f"rank{rank}.pt"))
 
 
 def patch_trainer(module):
@@ -82,6 +118,9 @@ def patch_torch(module):
 PATCHES = {"torch.distributed.distributed_c10d": patch_c10d}
 if os.environ.get("DDP_EXAMPLES_PROBE_WEIGHTS"):
     PATCHES["transformers.trainer"] = patch_trainer
+if os.environ.get("DDP_EXAMPLES_PROBE_REPLICAS"):
+    PATCHES["torch.nn.parallel.distributed"] = patch_ddp
+    PATCHES["torch.optim.optimizer"] = patch_optimizer
 if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_GPUS"):
     PATCHES["torch"] = patch_torch
 

@@ -1,5 +1,5 @@
-"""Bookkeeping for sharded checkpoints (fsdp.py): which checkpoint directories are complete, whether one fits
-the model, and how many bytes of parameters, gradients and optimizer state a rank holds.
+"""The directories of sharded checkpoints (fsdp.py): which are complete, whether one fits the model, and who
+may write them.
 
 A checkpoint of torch.distributed.checkpoint (DCP) is a directory: a file of shards per rank (`__0_0.distcp`,
 `__1_0.distcp`, ...) and `.metadata`, which the coordinator writes last, once every rank has written and
@@ -8,12 +8,10 @@ So each checkpoint is written into `epoch_000004.tmp/`; when DCP's save has retu
 a marker (`complete.json`, fsynced) into it and renames it to `epoch_000004/`. Only directories so named with
 the marker are loaded, the newest first; leftovers of killed saves are removed at the next start.
 """
-import gc
 import json
 import os
 import re
 import shutil
-import threading
 import uuid
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -22,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, TensorStorageMetadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.tensor import DTensor
 
-from ddp_common.distributed import tensor_bytes
+from ddp_common import snapshot
 from ddp_common.errors import UsageError, one_line
+from ddp_common.teardown import join_save_threads
 
 MARKER = "complete.json"
 KEEP = 2  # complete checkpoints kept: the newest, and the one before it
@@ -56,19 +54,28 @@ class CheckpointDir:
 
     def newest(self):
         """Every rank calls this at start: (epochs, path) of the newest complete checkpoint, (0, None) if there is
-        none. Rank 0 removes what killed saves left and decides; every rank checks that it sees the same root."""
-        choice = None
+        none. Rank 0 makes sure it can write under root and that no other live run does (snapshot.check_writable,
+        snapshot.lock), removes what killed saves left, and decides; every rank checks that it sees the same root.
+        A problem stops every rank with the same line."""
+        choice = problem = None
         if dist.get_rank() == 0:
-            os.makedirs(self.root, exist_ok=True)
-            for name in os.listdir(self.root):
-                if name.endswith(".tmp"):  # no save of this run starts before every rank has passed this point
-                    shutil.rmtree(os.path.join(self.root, name))
-            probe = f".probe-{uuid.uuid4().hex}"
-            open(os.path.join(self.root, probe), "w").close()
-            choice = (probe, (self.complete() or [(0, None)])[-1])
-        box, sees = [choice], [None] * dist.get_world_size()
+            try:
+                snapshot.check_writable(os.path.join(self.root, "checkpoint"))
+                snapshot.lock(self.root)  # before the clean-up below: the .tmp of another live run is not litter
+                for name in os.listdir(self.root):
+                    if name.endswith(".tmp"):  # no save of this run starts before every rank has passed this point
+                        shutil.rmtree(os.path.join(self.root, name))
+                probe = f".probe-{uuid.uuid4().hex}"
+                open(os.path.join(self.root, probe), "w").close()
+                choice = (probe, (self.complete() or [(0, None)])[-1])
+            except UsageError as error:
+                problem = str(error).replace("the snapshot", "checkpoints in", 1)
+        box, sees = [(choice, problem)], [None] * dist.get_world_size()
         dist.broadcast_object_list(box, src=0, group=self.group)
-        probe, newest = box[0]
+        choice, problem = box[0]
+        if problem:
+            raise UsageError(problem)
+        probe, newest = choice
         dist.all_gather_object(sees, os.path.exists(os.path.join(self.root, probe)), group=self.group)
         if dist.get_rank() == 0:
             os.remove(os.path.join(self.root, probe))
@@ -123,29 +130,10 @@ class CheckpointDir:
             f.flush()
             os.fsync(f.fileno())
         os.rename(staging, final)
-        fsync_dir(self.root)
+        snapshot.fsync_dir(self.root)
         for _, old in self.complete()[:-KEEP]:
             shutil.rmtree(old)
         self.log(f"Epoch {epochs - 1} | Snapshot saved at {final}")
-
-
-def join_save_threads():
-    """Wait until DCP's async save thread has exited. Its future is done before the thread lets go of the save's
-    arguments (the staged state, whose DTensors hold the device mesh and its groups, and the checkpoints' group):
-    a destroy_process_group in that moment would leave the groups alive, to be torn down later, by the save
-    thread or at exit (README: clean exits; seen once in 4 suite runs). dcp.async_save shuts its one-thread
-    executor down as soon as the save is done, so the thread ends."""
-    for thread in threading.enumerate():
-        if thread.name.startswith("AsyncCheckpointExecutor") and thread is not threading.current_thread():
-            thread.join()
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # makes the rename itself durable
-    finally:
-        os.close(fd)
 
 
 def check_fits(path, state):
@@ -168,36 +156,3 @@ def check_fits(path, state):
         raise UsageError(f"checkpoint {path} does not fit this model or optimizer ({'; '.join(differences[:3])}"
                          f"{'; ...' if len(differences) > 3 else ''}); it belongs to another model or flags: move it "
                          "away or pass another --snapshot_path")
-
-
-def held_bytes(tensors):
-    """The bytes of memory this rank holds for `tensors`, each storage counted once: a DTensor's local shard
-    with FSDP's padding, a plain tensor whole."""
-    storages = {}
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
-def memory_report(model, optimizer):
-    """Every rank calls this after a training step; the report, a line per rank: the bytes of parameters,
-    gradients and optimizer state the rank holds, measured, beside what a DDP rank holds of each (full copies)."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
-              and v.dim() > 0]  # scalar entries (Adam's step) are no model-sized state
-    held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, (held_bytes(params), held_bytes(grads), held_bytes(states)))
-    full = (tensor_bytes(params), tensor_bytes(grads), tensor_bytes(states))  # what a DDP rank holds
-    return "\n".join(f"Rank {rank} holds params {p:,} B | grads {g:,} B | optimizer state {o:,} B; DDP would hold "
-                     f"{full[0]:,} | {full[1]:,} | {full[2]:,} B" for rank, (p, g, o) in enumerate(held))
-
-
-def release(mesh):
-    """Before destroy_process_group, once the sharded model and optimizer are deleted, so that nothing holds the
-    process group any more (README: clean exits). FSDP2's modules sit in reference cycles (the module's hooks
-    hold FSDP's state, which holds the module) that only the garbage collector frees; and DTensor's caches
-    (sharding propagation, redistribution plans) keep the device mesh for good, which holds its groups."""
-    gc.collect()
-    mesh._pg_registry.clear()  # torch 2.13 has no public way to let a mesh go of its groups

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from dotenv import dotenv_values
 
-from ddp_common import cli
+from ddp_common import cli, snapshot
 from ddp_common.data import classification_dataset
 from ddp_common.devices import check_backend
 from ddp_common.errors import UsageError
@@ -199,6 +199,8 @@ def main(args):
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
+    if args.weights_dir:  # written at the end: checked now that it can be, not after the training
+        snapshot.claim_directory(args.weights_dir)
     address, port, sources = rendezvous_from(args.env_file or ".env", must_exist=args.env_file is not None)
     check_can_listen(address, port)
     print(f"MASTER_ADDR={address} ({sources['MASTER_ADDR']})\nMASTER_PORT={port} ({sources['MASTER_PORT']})")

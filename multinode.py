@@ -50,10 +50,11 @@ class Trainer:
         dist.all_gather_object(held, snapshot.describe(state, self.snapshot_path))  # epochs, run id, world size
         self.run = snapshot.one_run(held)  # snapshots of two different training runs: stop, rather than lose one
         epochs = [entry[0] for entry in held]
+        source = epochs.index(max(epochs))
         box = [state]
-        dist.broadcast_object_list(box, src=epochs.index(max(epochs)))
+        dist.broadcast_object_list(box, src=source)  # rank `source`'s snapshot, to every rank
         if min(epochs) < max(epochs):
-            self.log(f"Newest snapshot: rank {epochs.index(max(epochs))}'s, sent to every rank (the ranks held "
+            self.log(f"Newest snapshot: {held[source][3]} of rank {source}, sent to every rank (the ranks held "
                      f"{min(epochs)} to {max(epochs)} epochs)")
         if box[0] and box[0]["world_size"] != dist.get_world_size():
             self.log(f"World size {box[0]['world_size']} -> {dist.get_world_size()} at epoch {max(epochs)}")

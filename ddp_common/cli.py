@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_common import launchers
+from ddp_common import launchers, snapshot
 from ddp_common.devices import BACKENDS
 from ddp_common.errors import CheckFailed, PeerLostError, UsageError, one_line
 
@@ -238,6 +238,7 @@ def bug():
 
 
 def exit_now(code, line=None):
+    snapshot.unlock_all()  # os._exit skips atexit, which would remove the lock files
     sys.stdout.flush()
     sys.stderr.flush()
     if line is not None:

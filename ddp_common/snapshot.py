@@ -211,6 +211,12 @@ def lock(path):
         multiprocessing.util.Finalize(None, unlock, args=(path,), exitpriority=0)
 
 
+def unlock_all():
+    """Let go of every lock this process holds: for an exit that skips atexit (cli.exit_now, os._exit)."""
+    for path in list(_locks):
+        unlock(path)
+
+
 def unlock(path):
     """Remove and let go of the lock of `path`, if this process holds it (at exit; again is harmless)."""
     f = _locks.pop(path, None)

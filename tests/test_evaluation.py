@@ -1,5 +1,6 @@
-"""Uneven data: evaluation that counts every held-out sample once at any world size (torchrun_ddp.py and
-train.py's Trainer), training on shards of different lengths with Join, and what happens without it."""
+"""Uneven data: evaluation that counts every held-out sample once at any world size (by_feature/exact_evaluation.py
+and train.py's Trainer), training on shards of different lengths with Join (by_feature/uneven_inputs.py), and what
+happens without it."""
 import json
 import re
 
@@ -7,16 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from conftest import (assert_bitwise_equal, assert_one_line_error, epoch_lines, load_snapshot, python_cmd, run,
-                      summary, torchrun_cmd)
+from conftest import (assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, load_snapshot, python_cmd,
+                      run, summary, torchrun_cmd)
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common.data import classification_splits
-from ddp_common.hf_data import collate, load_mnist_splits
+from ddp_common.mnist import collate, load_mnist_splits
 from ddp_common.models import LinearClassifier, SimpleCNN
 
 SMALL = ("--input_size", "20")
-TRAIN_SIZE, EVAL_SIZE = 4096, 1001  # torchrun_ddp.py's; neither 2 nor 3 divides 1001
+TRAIN_SIZE, EVAL_SIZE = 4096, 1001  # by_feature/exact_evaluation.py's; neither 2 nor 3 divides 1001
+EVALUATE = "by_feature/exact_evaluation.py"
+UNEVEN = "by_feature/uneven_inputs.py"
 EVAL_LINE = re.compile(r"^Eval \| epochs (\d+) \| loss ([\d.]+) \| accuracy ([\d.]+) \| (\d+) of (\d+) correct$", re.M)
 
 
@@ -42,23 +45,27 @@ def held_out_logits(state):
 
 @pytest.fixture(scope="module")
 def uneven_run(tmp_path_factory):
-    """torchrun_ddp.py --uneven (with Join) for 2 epochs at 2 ranks: (folder, stdout). Two tests use it."""
+    """by_feature/uneven_inputs.py (with Join) for 2 epochs at 2 ranks: (folder, stdout), and each rank's replica
+    as it ended (tests/support/sitecustomize.py). Two tests use it."""
     folder = tmp_path_factory.mktemp("uneven")
-    result = run(torchrun_cmd("torchrun_ddp.py", "--uneven", "--epochs", "2", "--snapshot_path", "uneven.pt",
-                              "--replica_dir", "replicas", *SMALL), cwd=folder)
+    (folder / "replicas").mkdir()
+    result = run(torchrun_cmd(UNEVEN, "--epochs", "2", "--snapshot_path", "uneven.pt", *SMALL), cwd=folder,
+                 env=clean_env(DDP_EXAMPLES_PROBE_REPLICAS=folder / "replicas"))
     return folder, result.stdout
 
 
 def test_evaluation_is_the_same_at_world_sizes_1_2_3(uneven_run, tmp_path):
-    """Trained at 2 ranks (the Join run's model), the snapshot's model scored at 1, 2 and 3 ranks: the same counts,
-    every one of the 1001 samples once, and the same figure as one process scoring the whole set here. The
-    sampler the tutorial advises (DistributedSampler) pads 1001 samples to 1002 at both 2 and 3 ranks, and its
-    figure differs."""
-    folder, stdout = uneven_run
-    assert [e[0] for e in evaluations(stdout)] == [1, 2]  # after every epoch
-    figures = {2: evaluations(stdout)[-1]}  # after epoch 2: the snapshot's weights
-    for world_size in (1, 3):
-        result = run(torchrun_cmd("torchrun_ddp.py", "--evaluate", "--snapshot_path", folder / "uneven.pt", *SMALL,
+    """The Join run's model (trained at 2 ranks) scored at 1, 2 and 3 ranks: the same counts, every one of the
+    1001 samples once, and the same figure as one process scoring the whole set here. The sampler the tutorial
+    advises (DistributedSampler) pads 1001 samples to 1002 at both 2 and 3 ranks, and its figure differs. And
+    trained here, the example evaluates after every epoch."""
+    folder, _ = uneven_run
+    trained = run(torchrun_cmd(EVALUATE, "--epochs", "2", *SMALL), cwd=tmp_path).stdout
+    assert [e[0] for e in evaluations(trained)] == [1, 2]  # after every epoch
+    assert evaluations(trained)[-1][2] > 0.85 * EVAL_SIZE  # it learned (chance 0.5, label noise 5%)
+    figures = {}
+    for world_size in (1, 2, 3):
+        result = run(torchrun_cmd(EVALUATE, "--evaluate", "--snapshot_path", folder / "uneven.pt", *SMALL,
                                   nproc=world_size), cwd=tmp_path)
         (figures[world_size],) = evaluations(result.stdout)
         assert not epoch_lines(result.stdout), "--evaluate must not train"
@@ -91,32 +98,30 @@ def test_uneven_shards_train_with_join(uneven_run):
     epochs = epoch_lines(stdout)
     assert len(epochs) == 2 and summary(stdout).world_size == 2
     assert [line.samples for line in epochs] == [TRAIN_SIZE, TRAIN_SIZE]  # both ranks' shards, every sample once
+    assert epochs[-1].accuracy > 0.85  # it learned (chance 0.5, label noise 5%)
     replicas = [torch.load(folder / "replicas" / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert_bitwise_equal(replicas[0], replicas[1], "rank 0 vs rank 1")
     snapshot = load_snapshot(folder / "uneven.pt")
     assert_bitwise_equal(snapshot["model"], replicas[1]["model"], "model")
     assert_bitwise_equal(snapshot["optimizer"], replicas[1]["optimizer"], "optimizer")
-    assert evaluations(stdout)[-1][2] > 0.85 * EVAL_SIZE  # it learned (chance 0.5, label noise 5%)
 
 
 def test_uneven_shards_without_join_stop_at_the_timeout(tmp_path):
     """Without Join the rank that runs out first waits for the others, they for an all-reduce it never joins:
     every rank stops after --timeout with the same line, and nothing aborts or hangs (run() fails the test on
     "terminate called" or SIGABRT, and when the launch outlives its own timeout)."""
-    result = run(torchrun_cmd("torchrun_ddp.py", "--uneven", "--no_join", "--timeout", "5", "--epochs", "2",
-                              "--snapshot_path", "uneven.pt", *SMALL), cwd=tmp_path, check=False, timeout=120)
+    result = run(torchrun_cmd(UNEVEN, "--no_join", "--timeout", "5", "--epochs", "2", "--snapshot_path", "uneven.pt",
+                              *SMALL), cwd=tmp_path, check=False, timeout=120)
     assert_one_line_error(result, "different numbers of batches (22, 43, ranks 0 to 1)", "waited --timeout 5s",
                           "leave out --no_join", code=1)
     assert not epoch_lines(result.stdout) and not (tmp_path / "uneven.pt").exists()
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--no_join"], "--no_join only matters with --uneven"),
-    (["--evaluate", "--snapshot_path", "absent.pt"], "--evaluate: no snapshot at absent.pt to evaluate"),
-])
-def test_bad_evaluation_and_join_flags(tmp_path, args, expected):
-    result = run(python_cmd("torchrun_ddp.py", *args), cwd=tmp_path, check=False, timeout=60)
-    assert_one_line_error(result, expected)
+@pytest.mark.quick
+def test_evaluating_a_snapshot_that_is_not_there_is_one_line(tmp_path):
+    result = run(python_cmd(EVALUATE, "--evaluate", "--snapshot_path", "absent.pt"), cwd=tmp_path, check=False,
+                 timeout=60)
+    assert_one_line_error(result, "--evaluate: no snapshot at absent.pt to evaluate")
 
 
 def test_trainer_evaluation_counts_each_image_once(mnist_dir, tmp_path):
@@ -129,7 +134,7 @@ def test_trainer_evaluation_counts_each_image_once(mnist_dir, tmp_path):
     metrics = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     model = SimpleCNN()
     model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
-    splits = load_mnist_splits(str(mnist_dir))
+    splits, _ = load_mnist_splits(str(mnist_dir))
     batch = collate([splits["test"][i] for i in range(EVAL_SIZE)])
     with torch.no_grad():
         logits = model(batch["image"])["logits"]

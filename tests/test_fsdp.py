@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, collectives_issued,
                       epoch_lines, finish, free_port, run, start, summary, torchrun_cmd)
-from ddp_common import sharded
+from ddp_common import checkpoint_dir
 from ddp_common.models import BlockMLP
 
 FLAGS = ("--save_every", "2", "--batch_size", "256")  # 4 steps an epoch at 2 ranks: FSDP on a CPU is slow per step
@@ -71,11 +71,11 @@ def test_fsdp_learns_shards_block_by_block_reports_its_shards_and_saves_complete
     per_rank = STEPS * EPOCHS * (3 * DEPTH + 2) + EPOCHS + 2
     assert collectives_issued(out) == {0: per_rank, 1: per_rank}, out[-3000:]
 
-    checkpoints = directory / "checkpoints"
+    checkpoints = directory / "fsdp_checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004"]
     newest = checkpoints / "epoch_000004"
-    assert json.loads((newest / sharded.MARKER).read_text()) == {"epochs_run": 4, "world_size": 2}
-    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", sharded.MARKER]
+    assert json.loads((newest / checkpoint_dir.MARKER).read_text()) == {"epochs_run": 4, "world_size": 2}
+    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", checkpoint_dir.MARKER]
 
     # Each rank wrote its own shard of every parameter: from the checkpoint's metadata, the bytes of the model
     # that each rank's file holds.
@@ -104,7 +104,7 @@ def test_fsdp_and_ddp_reach_the_same_weights_in_fp32(uninterrupted, tmp_path):
     directory, _ = uninterrupted
     run(torchrun_cmd("tests/support/fsdp_ddp_reference.py", tmp_path / "ddp.pt", EPOCHS, 256), cwd=tmp_path)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
-    fsdp_state = full_state(directory / "checkpoints" / "epoch_000004", tmp_path)
+    fsdp_state = full_state(directory / "fsdp_checkpoints" / "epoch_000004", tmp_path)
     torch.manual_seed(0)
     initial = BlockMLP(input_size=20).state_dict()
     assert ddp["model"].keys() == fsdp_state["model"].keys()
@@ -118,10 +118,10 @@ def test_fsdp_and_ddp_reach_the_same_weights_in_fp32(uninterrupted, tmp_path):
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_a_two_rank_checkpoint_loads_at_another_world_size_with_the_full_state(uninterrupted, tmp_path, nproc):
     directory, _ = uninterrupted
-    shutil.copytree(directory / "checkpoints", tmp_path / "checkpoints")
-    saved = full_state(tmp_path / "checkpoints" / "epoch_000004", tmp_path)
+    shutil.copytree(directory / "fsdp_checkpoints", tmp_path / "fsdp_checkpoints")
+    saved = full_state(tmp_path / "fsdp_checkpoints" / "epoch_000004", tmp_path)
     out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--export_path", "full.pt", nproc=nproc), cwd=tmp_path).stdout
-    assert f"Resuming from checkpoints/epoch_000004 at epoch {EPOCHS}" in out and "Nothing to do" in out
+    assert f"Resuming from fsdp_checkpoints/epoch_000004 at epoch {EPOCHS}" in out and "Nothing to do" in out
     assert_bitwise_equal(saved, torch.load(tmp_path / "full.pt", weights_only=True), f"loaded at {nproc} ranks")
 
 
@@ -172,24 +172,24 @@ def test_a_sigkill_during_an_async_save_leaves_the_previous_checkpoint_and_two_n
                  "--total_epochs", "6", *FLAGS, "--async_save"], cwd=tmp_path)
     out = finish(job, 180)
     assert job.returncode != 0 and "SIGKILL" in out, out[-3000:]
-    checkpoints = tmp_path / "checkpoints"
+    checkpoints = tmp_path / "fsdp_checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004.tmp"], out[-3000:]
     half = (checkpoints / "epoch_000004.tmp" / "__1_0.distcp").read_bytes()
     assert half.startswith(b"half a shard, written by AsyncCheckpointExecutor"), "killed in DCP's save thread"
     assert not (checkpoints / "epoch_000004.tmp" / ".metadata").exists()
-    assert_bitwise_equal(full_state(directory / "checkpoints" / "epoch_000002", tmp_path),
+    assert_bitwise_equal(full_state(directory / "fsdp_checkpoints" / "epoch_000002", tmp_path),
                          full_state(checkpoints / "epoch_000002", tmp_path), "the previous checkpoint")
 
     # Started again as two nodes (one rank each) on the directory they share: the same world size, so the run
     # goes on from epoch 2 exactly, and ends bitwise where the uninterrupted run ended.
     node0, node1 = two_nodes("--total_epochs", EPOCHS, *FLAGS, "--async_save", cwd=tmp_path)
-    assert "Resuming from checkpoints/epoch_000002 at epoch 2" in node0
+    assert "Resuming from fsdp_checkpoints/epoch_000002 at epoch 2" in node0
     assert [line.epoch for line in epoch_lines(node0)] == [2, 3] and not epoch_lines(node1), "rank 0 logs"
     assert summary(node0).world_size == 2
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004"], "the .tmp is gone"
     assert sorted(p.name for p in (checkpoints / "epoch_000004").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", sharded.MARKER]
-    assert_bitwise_equal(full_state(directory / "checkpoints" / "epoch_000004", tmp_path),
+        ".metadata", "__0_0.distcp", "__1_0.distcp", checkpoint_dir.MARKER]
+    assert_bitwise_equal(full_state(directory / "fsdp_checkpoints" / "epoch_000004", tmp_path),
                          full_state(checkpoints / "epoch_000004", tmp_path), "resumed from the killed run")
 
 
@@ -226,7 +226,7 @@ def test_the_process_group_is_freed_even_when_the_async_save_thread_lets_go_late
     out = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", tmp_path / "slow.py", "--total_epochs", "2",
                *FLAGS, "--async_save"], cwd=tmp_path).stdout
     assert summary(out).epochs == 2
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_000002"]
+    assert sorted(p.name for p in (tmp_path / "fsdp_checkpoints").iterdir()) == ["epoch_000002"]
 
 
 def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):
@@ -238,7 +238,7 @@ def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):
     assert losses[1] < losses[0], losses
     for loss, fp32_loss in zip(losses, fp32_losses):
         assert 1e-4 < abs(loss - fp32_loss) < 0.05 * fp32_loss, ("bf16 rounding, no more", losses, fp32_losses)
-    state = full_state(tmp_path / "checkpoints" / "epoch_000002", tmp_path)
+    state = full_state(tmp_path / "fsdp_checkpoints" / "epoch_000002", tmp_path)
     assert {t.dtype for t in state["model"].values()} == {torch.float32}, "weights are kept in fp32"
 
 
@@ -252,24 +252,24 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
     other(torch.randn(2, 20)).sum().backward()
     optimizer.step()
     model_state, optimizer_state = get_state_dict(other, optimizer)
-    checkpoint = tmp_path / "checkpoints" / "epoch_000002"
+    checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"
     save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
-    (checkpoint / sharded.MARKER).write_text(json.dumps({"epochs_run": 2, "world_size": 1}))
+    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 2, "world_size": 1}))
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
     result = run(fsdp("--total_epochs", "4", *FLAGS, nproc=1), cwd=tmp_path, check=False, timeout=120)
-    assert_one_line_error(result, "checkpoint checkpoints/epoch_000002 does not fit this model",
+    assert_one_line_error(result, "checkpoint fsdp_checkpoints/epoch_000002 does not fit this model",
                           "model.inp.weight is [32, 20], here [64, 20]", code=1)  # torchrun exits 1
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
 
 
 def test_a_checkpoint_with_a_shard_missing_is_refused_in_one_line(uninterrupted, tmp_path):
     directory, _ = uninterrupted
-    shutil.copytree(directory / "checkpoints", tmp_path / "checkpoints")
-    (tmp_path / "checkpoints" / "epoch_000004" / "__1_0.distcp").unlink()  # rank 1's file: rank 1 fails to read
+    shutil.copytree(directory / "fsdp_checkpoints", tmp_path / "fsdp_checkpoints")
+    (tmp_path / "fsdp_checkpoints" / "epoch_000004" / "__1_0.distcp").unlink()  # rank 1's file: rank 1 fails to read
     result = run(fsdp("--total_epochs", "6", *FLAGS), cwd=tmp_path, check=False, timeout=120)
-    assert_one_line_error(result, "checkpoint checkpoints/epoch_000004 is damaged: rank", "could not read it",
-                          "No such file or directory: 'checkpoints/epoch_000004/__1_0.distcp'", code=1)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_000002", "epoch_000004"]
+    assert_one_line_error(result, "checkpoint fsdp_checkpoints/epoch_000004 is damaged: rank", "could not read it",
+                          "No such file or directory: 'fsdp_checkpoints/epoch_000004/__1_0.distcp'", code=1)
+    assert sorted(p.name for p in (tmp_path / "fsdp_checkpoints").iterdir()) == ["epoch_000002", "epoch_000004"]
 
 
 def test_a_snapshot_path_the_nodes_do_not_share_is_refused_in_one_line(tmp_path):
@@ -283,8 +283,8 @@ def test_a_snapshot_path_the_nodes_do_not_share_is_refused_in_one_line(tmp_path)
     for agent in agents:
         out, err = finish(agent, 120)
         assert_one_line_error(subprocess.CompletedProcess(agent.args, agent.returncode, out, err),
-                              "ranks [1] do not see the files rank 0 writes in checkpoints",
+                              "ranks [1] do not see the files rank 0 writes in fsdp_checkpoints",
                               "--snapshot_path must be on a filesystem all nodes share", code=1)
         assert not epoch_lines(out), "stopped before training"
-    assert list((cwds[0] / "checkpoints").iterdir()) == [], "rank 0's probe file removed, nothing saved"
-    assert not (cwds[1] / "checkpoints").exists()
+    assert list((cwds[0] / "fsdp_checkpoints").iterdir()) == [], "rank 0's probe file removed, nothing saved"
+    assert not (cwds[1] / "fsdp_checkpoints").exists()

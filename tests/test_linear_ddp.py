@@ -1,4 +1,5 @@
-"""torchrun_ddp.py under torchrun and ddp.py under its own mp.spawn, with the rendezvous from a .env file:
+"""The linear classifier: torchrun_ddp.py (the base) and by_feature/gradient_accumulation.py and
+mixed_precision.py under torchrun, ddp.py under its own mp.spawn with the rendezvous from a .env file:
 reduction over ranks, no_sync accumulation (counted), bf16 autocast (seen in the losses), resume, normal
 training against DDP (from the saved weights), and one-line errors."""
 import socket
@@ -15,10 +16,14 @@ SMALL = ("--input_size", "20")
 DATASET = 4096  # torchrun_ddp.py's and ddp.py's synthetic dataset
 
 
-def torchrun_ddp_cmd(*args):
+def torchrun_ddp_cmd(*args, script="torchrun_ddp.py"):
     """The documented launch line (a static rendezvous on 127.0.0.1), on a free port instead of 29500."""
     return [BIN / "torchrun", "--nproc_per_node=2", "--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", REPO / "torchrun_ddp.py", "--backend", "gloo", *SMALL, *args]
+            f"--master_port={free_port()}", REPO / script, "--backend", "gloo", *SMALL, *args]
+
+
+def accumulation_cmd(*args):
+    return torchrun_ddp_cmd(*args, script="by_feature/gradient_accumulation.py")
 
 
 def assert_learned(lines, count):
@@ -29,11 +34,11 @@ def assert_learned(lines, count):
 
 @pytest.fixture(scope="module")
 def big_batch_run(tmp_path_factory):
-    """3 epochs of one batch of 64 per rank and step: the reference for learning, accumulation and resume."""
+    """The base, 3 epochs of one batch of 64 per rank and step: the reference for learning, accumulation and
+    resume, and bf16's fp32 counterpart."""
     directory = tmp_path_factory.mktemp("big_batch")
-    result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64", "--snapshot_path", "big.pt"),
-                 cwd=directory)
-    return result, load_snapshot(directory / "big.pt")
+    result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64"), cwd=directory)
+    return result, load_snapshot(directory / "torchrun_ddp.pt")
 
 
 def test_torchrun_learns_and_counts_every_sample_of_both_ranks(big_batch_run):
@@ -43,7 +48,7 @@ def test_torchrun_learns_and_counts_every_sample_of_both_ranks(big_batch_run):
     # Each rank trains on half of the 4096 samples: the figures printed by rank 0 are the sums over both
     # ranks only if the epoch statistics were all-reduced (rank 0's own would count 2048).
     assert [line.samples for line in lines] == [DATASET] * 3
-    assert "32 steps per epoch of 1 x 64 samples per rank" in result.stdout  # 4096 / 2 ranks / 64
+    assert "32 steps per epoch of 64 samples per rank" in result.stdout  # 4096 / 2 ranks / 64
     assert summary(result.stdout)[:3] == (3, 96, lines[-1].loss)
     assert state["epochs_run"] == 3
 
@@ -54,9 +59,9 @@ def test_accumulation_then_resume_gives_the_big_batch_weights(big_batch_run, tmp
     weights far beyond this tolerance."""
     _, big = big_batch_run
     accumulate = ("--batch_size", "16", "--accumulation_steps", "4", "--snapshot_path", "small.pt")
-    first = run(torchrun_ddp_cmd("--total_epochs", "2", *accumulate), cwd=tmp_path)
+    first = run(accumulation_cmd("--total_epochs", "2", *accumulate), cwd=tmp_path)
     assert "32 steps per epoch of 4 x 16 samples per rank" in first.stdout
-    resumed = run(torchrun_ddp_cmd("--total_epochs", "3", *accumulate), cwd=tmp_path)
+    resumed = run(accumulation_cmd("--total_epochs", "3", *accumulate), cwd=tmp_path)
     assert "Resuming from small.pt at epoch 2" in resumed.stdout
     assert [line.epoch for line in epoch_lines(resumed.stdout)] == [2]
     small = load_snapshot(tmp_path / "small.pt")
@@ -75,15 +80,15 @@ def test_no_sync_all_reduces_once_per_optimizer_step(tmp_path):
     env = clean_env(DDP_EXAMPLES_PROBE_COLLECTIVES=1)
 
     def issued(*args):
-        result = run(torchrun_ddp_cmd("--total_epochs", "1", "--snapshot_path", f"{len(args)}-{args[1]}.pt", *args),
+        result = run(accumulation_cmd("--total_epochs", "1", "--snapshot_path", f"batch{args[1]}-steps{args[3]}.pt", *args),
                      cwd=tmp_path, env=env)
         counts = collectives_issued(result.stderr)
         assert len(counts) == 2 and len(set(counts.values())) == 1, result.stderr[-2000:]
         return counts[0]
 
-    one_batch = issued("--batch_size", "64")  # 32 steps, 32 micro-batches
+    one_batch = issued("--batch_size", "64", "--accumulation_steps", "1")  # 32 steps, 32 micro-batches
     accumulated = issued("--batch_size", "16", "--accumulation_steps", "4")  # 32 steps, 128 micro-batches
-    small_steps = issued("--batch_size", "16")  # 128 steps, 128 micro-batches
+    small_steps = issued("--batch_size", "16", "--accumulation_steps", "1")  # 128 steps, 128 micro-batches
     assert small_steps - one_batch == 128 - 32, "the count must grow by one all-reduce per extra step"
     assert accumulated == one_batch, "with no_sync, micro-batches within a step must not all-reduce"
 
@@ -91,8 +96,9 @@ def test_no_sync_all_reduces_once_per_optimizer_step(tmp_path):
 def test_amp_trains_in_bf16_on_cpu(big_batch_run, tmp_path):
     """Same seed, flags and data as the fp32 reference: every loss differs from fp32's by bf16 rounding, small
     but never zero (autocast that did nothing would reproduce the fp32 losses exactly)."""
-    result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64", "--amp"), cwd=tmp_path)
-    assert "amp torch.bfloat16 | device cpu" in result.stdout
+    result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64", script="by_feature/mixed_precision.py"),
+                 cwd=tmp_path)
+    assert "device cpu | autocast torch.bfloat16" in result.stdout
     amp, fp32 = epoch_lines(result.stdout), epoch_lines(big_batch_run[0].stdout)
     assert_learned(amp, 3)
     for a, f in zip(amp, fp32):
@@ -121,7 +127,7 @@ def test_ddp_py_matches_normal_training(tmp_path):
     assert max((weights["ddp"][k] - initial[k]).abs().max().item() for k in initial) > 0.1, "trained, not initial"
     printed = float(out.split("Largest |normal - DDP| weight difference: ")[1].split()[0])
     assert printed == pytest.approx(difference, rel=1e-3, abs=1e-12)
-    if torch.cuda.device_count() < 2:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         assert "[DataParallel] skipped: it splits each batch over 2 or more CUDA GPUs" in out
     line = summary(out)
     assert (line.steps, line.world_size, line.backend) == (96, 2, "gloo")  # 4096 / 2 ranks / 64 = 32 steps an epoch
@@ -164,11 +170,13 @@ def test_ddp_py_port_in_use(tmp_path):
     assert_one_line_error(result, f"port {port} on 127.0.0.1 is already in use")
 
 
+@pytest.mark.quick
 def test_ddp_py_missing_env_file_named(tmp_path):
     result = run(ddp_py("--env_file", "absent.env"), cwd=tmp_path, check=False, timeout=60)
     assert_one_line_error(result, f"env file {tmp_path / 'absent.env'} not found")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flag, value, expected", [
     ("--backend", "foo", "invalid choice: 'foo'"),
     ("--input_size", "0", "--input_size: must be a positive integer, got 0"),
@@ -180,14 +188,16 @@ def test_ddp_py_bad_flags(tmp_path, flag, value, expected):
     assert_one_line_error(result, expected)
 
 
-# The size flags share cli.positive_int with ddp.py's, tested above; these are torchrun_ddp.py's own.
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--backend", "foo", "invalid choice: 'foo'"),
-    ("--total_epochs", "-1", "--total_epochs/--epochs: must be a positive integer, got -1"),
-    ("--accumulation_steps", "0", "--accumulation_steps: must be a positive integer, got 0"),
+# The size flags share cli.positive_int with ddp.py's, tested above; these are torchrun_ddp.py's own, and the
+# accumulation example's.
+@pytest.mark.parametrize("script, flag, value, expected", [
+    ("torchrun_ddp.py", "--backend", "foo", "invalid choice: 'foo'"),
+    ("torchrun_ddp.py", "--total_epochs", "-1", "--total_epochs/--epochs: must be a positive integer, got -1"),
+    ("by_feature/gradient_accumulation.py", "--accumulation_steps", "0",
+     "--accumulation_steps: must be a positive integer, got 0"),
 ])
-def test_torchrun_ddp_bad_flags(tmp_path, flag, value, expected):
-    result = run(python_cmd("torchrun_ddp.py", flag, value), cwd=tmp_path, check=False, timeout=60)
+def test_torchrun_ddp_bad_flags(tmp_path, script, flag, value, expected):
+    result = run(python_cmd(script, flag, value), cwd=tmp_path, check=False, timeout=60)
     assert_one_line_error(result, expected)
 
 

@@ -12,8 +12,7 @@ from conftest import (MNIST, assert_bitwise_equal, assert_one_line_error, clean_
                       mpirun_cmd, python_cmd, run, summary, torchrun_cmd)
 
 from ddp_common.errors import UsageError
-from ddp_common.data import load_mnist, read_idx, write_idx
-from ddp_common.hf_data import collate, load_mnist_splits
+from ddp_common.mnist import collate, load_mnist, load_mnist_splits, read_idx, write_idx
 from ddp_common.models import SimpleCNN
 
 TINY = ("--max_train_samples", "512", "--max_eval_samples", "256", "--num_train_epochs", "1", "--disable_tqdm", "True")
@@ -35,7 +34,7 @@ def accuracy_of_saved_model(output_dir, mnist_dir, count):
     """Accuracy of the model.safetensors in output_dir on the first `count` eval images, recomputed here."""
     model = SimpleCNN()
     model.load_state_dict(load_file(output_dir / "model.safetensors"))
-    splits = load_mnist_splits(str(mnist_dir))
+    splits, _ = load_mnist_splits(str(mnist_dir))
     batch = collate([splits["test"][i] for i in range(count)])
     with torch.no_grad():
         predicted = model(batch["image"])["logits"].argmax(-1)
@@ -51,7 +50,8 @@ def test_idx_reader_on_the_real_test_set():
 
 
 def test_collate_normalises_real_digits_to_mean_0_and_std_1(mnist_dir):
-    splits = load_mnist_splits(str(mnist_dir))
+    splits, note = load_mnist_splits(str(mnist_dir))
+    assert note is None, "four files: the split they hold, nothing said"
     assert (len(splits["train"]), len(splits["test"])) == (8000, 2000)
     batch = collate([splits["test"][i] for i in range(2000)])
     images, labels = load_mnist(str(mnist_dir), "test")
@@ -121,14 +121,14 @@ def test_mpirun_two_ranks_on_a_saved_dataset(one_epoch_run, mnist_dir, tmp_path)
         splits[name] = Dataset.from_dict({"image": list(images[:count]), "label": labels[:count]}, features=features)
     splits.save_to_disk(str(tmp_path / "saved"))
     # What train.py reads back from disk is every digit as it was, pixel for pixel.
-    loaded = load_mnist_splits(str(tmp_path / "saved"))
+    loaded, _ = load_mnist_splits(str(tmp_path / "saved"))
     for name, images in originals.items():
         assert np.array_equal(np.stack([row["image"] for row in loaded[name]]).reshape(images.shape), images), name
 
     weights = tmp_path / "weights"
     weights.mkdir()
     result = run(mpirun_cmd("train.py", "--data_dir", tmp_path / "saved", "--output_dir", tmp_path / "out", *TINY,
-                            "--timeout", "60"), cwd=tmp_path, env=mpi_env(DDP_EXAMPLES_PROBE_WEIGHTS=weights),
+                            "--ddp_timeout", "60"), cwd=tmp_path, env=mpi_env(DDP_EXAMPLES_PROBE_WEIGHTS=weights),
                  timeout=200)
     # The same 512 images as the one-process run: each rank takes half of every batch, so half the steps.
     assert trained(result.stdout) == (1.0, 4, 2, "gloo")
@@ -170,7 +170,8 @@ def test_no_data_without_a_network_says_how_to_get_it(tmp_path, offline):
 
 @pytest.mark.parametrize("missing", ["train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"])
 def test_a_missing_file_is_one_line_naming_it(mnist_dir, tmp_path, missing):
-    """Three of the four files: the error names the one that is not there, and where it was looked for."""
+    """Three of the four files: the error names the one that is not there, and where it was looked for (with
+    neither training file, the folder is a test set alone: test_the_shipped_test_set_trains_as_documented)."""
     data = tmp_path / "data"
     data.mkdir()
     for path in mnist_dir.glob("*.gz"):
@@ -179,7 +180,7 @@ def test_a_missing_file_is_one_line_naming_it(mnist_dir, tmp_path, missing):
     result = run(python_cmd("train.py", "--data_dir", data, "--output_dir", tmp_path / "out"), cwd=tmp_path,
                  check=False)
     assert_one_line_error(result, f"error: MNIST file {missing}[.gz] not found in {data} or {data}/MNIST/raw; put the "
-                                  "four IDX files there")
+                                  "IDX files there")
 
 
 def test_bad_magic_and_count_mismatch_name_the_file(mnist_dir, tmp_path):
@@ -192,3 +193,16 @@ def test_bad_magic_and_count_mismatch_name_the_file(mnist_dir, tmp_path):
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x07\x01" + bytes(100))
     with pytest.raises(UsageError, match=r"t10k-labels-idx1-ubyte is not an IDX file \(bad magic number 00000701\)"):
         load_mnist_splits(str(tmp_path))
+
+
+def test_the_shipped_test_set_trains_as_documented(tmp_path):
+    """data/mnist holds the official test set alone: train.py --data_dir data/mnist trains on 8,000 of its images
+    and evaluates on the other 2,000 (the split of the tests and of the docs' figures), and says so once."""
+    result = run(torchrun_cmd("train.py", "--data_dir", MNIST, "--output_dir", tmp_path / "out", "--max_steps", "4",
+                              "--eval_strategy", "no", "--save_strategy", "no", "--disable_tqdm", "True"),
+                 cwd=tmp_path, env=ENV, timeout=300)
+    said = f"{MNIST} holds only the MNIST test set: training on 8,000 of its images and evaluating on the other 2,000"
+    assert result.stdout.count(said) == 1, result.stdout[-3000:]
+    assert "Training SimpleCNN on 8000 images, evaluating on 2000" in result.stdout
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert (results["train_samples"], results["eval_samples"]) == (8000, 2000)

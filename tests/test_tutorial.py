@@ -124,6 +124,8 @@ def test_multinode_two_agents_form_one_job_and_refuse_a_snapshot_of_another_run(
 
 # ---- bad input: one line, non-zero exit, in seconds, no snapshot lost ----
 
+
+@pytest.mark.quick
 @pytest.mark.parametrize("launch", [python_cmd, torchrun_cmd], ids=["multigpu.py", "multigpu_torchrun.py"])
 def test_nccl_without_gpu_says_use_gloo(tmp_path, launch):
     script = "multigpu.py" if launch is python_cmd else "multigpu_torchrun.py"
@@ -134,6 +136,7 @@ def test_nccl_without_gpu_says_use_gloo(tmp_path, launch):
     assert not (tmp_path / f"{script[:-3]}.pt").exists()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flag,value", [("--total_epochs", "0"), ("--batch_size", "-4"), ("--save_every", "0"),
                                         ("--world_size", "0"), ("--batch_size", "ten")])
 def test_non_positive_numbers_are_refused(tmp_path, flag, value):
@@ -141,6 +144,7 @@ def test_non_positive_numbers_are_refused(tmp_path, flag, value):
     assert_one_line_error(result, flag, value)
 
 
+@pytest.mark.quick
 def test_corrupt_snapshot_is_reported_and_kept(tmp_path):
     (tmp_path / "singlegpu.pt").write_bytes(b"not a snapshot at all")
     result = run(python_cmd("singlegpu.py", "--total_epochs", "2"), cwd=tmp_path, check=False, timeout=30)
@@ -175,6 +179,7 @@ def test_snapshot_of_another_model_is_reported_and_kept(tmp_path):
     assert (tmp_path / "multigpu_torchrun.pt").read_bytes() == before
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script", ["multigpu_torchrun.py", "multinode.py"])
 def test_torchrun_script_under_plain_python_says_how_to_launch(tmp_path, script):
     result = run(python_cmd(script), cwd=tmp_path, check=False, timeout=30)

@@ -1,0 +1,162 @@
+"""What a new user runs into, under the real launchers: snapshot paths that cannot be written (found before the
+first step, in one line, by every script that writes), two runs on one snapshot, flag errors once per node,
+threads of nodes that share a machine, mpirun from a venv that is not activated, a node whose peers never come.
+"""
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from conftest import (BIN, MNIST, REPO, assert_one_line_error, clean_env, epoch_lines, finish, free_port,
+                      load_snapshot, mpi_env, python_cmd, run, start, summary, torchrun_cmd)
+from test_reliability import wait_for
+
+# Every script that writes a snapshot, checkpoints or an output directory, with the flag that says where, under
+# the launcher it is made for.
+WRITERS = {
+    "singlegpu.py": (python_cmd, "--snapshot_path"),
+    "multigpu.py": (python_cmd, "--snapshot_path"),
+    "multigpu_torchrun.py": (torchrun_cmd, "--snapshot_path"),
+    "multinode.py": (torchrun_cmd, "--snapshot_path"),
+    "fsdp.py": (torchrun_cmd, "--snapshot_path"),
+    "torchrun_ddp.py": (torchrun_cmd, "--snapshot_path"),
+    "by_feature/comm_hooks.py": (torchrun_cmd, "--snapshot_path"),
+    "train.py": (torchrun_cmd, "--output_dir"),
+    "ddp.py": (python_cmd, "--weights_dir"),
+}
+EXTRA = {"train.py": ("--data_dir", str(MNIST), "--max_steps", "2"), "ddp.py": ("--world_size", "2")}
+
+
+def launch(script, place, cwd, **kwargs):
+    command, flag = WRITERS[script]
+    return run(command(script, "--total_epochs" if script != "train.py" else "--num_train_epochs", "2", flag, place,
+                       *EXTRA.get(script, ())), cwd=cwd, check=False, timeout=120, **kwargs)
+
+
+def assert_refused_before_training(result, place, reason, script):
+    """One line naming the place and the reason, said once per node; no rank says it lost the others; no epoch."""
+    code = 1 if WRITERS[script][0] is torchrun_cmd else 2  # torchrun exits 1 for any failed worker
+    line = assert_one_line_error(result, place, reason, code=code)
+    assert result.stderr.count(line) == 1, result.stderr[-3000:]
+    assert "lost contact" not in result.stderr and "Traceback" not in result.stderr.split(line)[0]
+    assert not epoch_lines(result.stdout) and "'loss'" not in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("script", WRITERS)
+def test_a_file_where_a_directory_should_be_is_found_before_training(tmp_path, script):
+    (tmp_path / "README.md").write_text("a file, not a directory")
+    result = launch(script, "README.md/out", tmp_path)
+    assert_refused_before_training(result, "README.md/out", f"{tmp_path / 'README.md'} is a file, where a directory "
+                                                            "should be", script)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("script", ["singlegpu.py", "multigpu_torchrun.py", "fsdp.py", "train.py"])
+def test_proc_is_found_before_training(tmp_path, script):
+    result = launch(script, "/proc/out", tmp_path)
+    assert_refused_before_training(result, "/proc/out", "(No such file or directory)", script)
+
+
+def test_a_read_only_mount_is_found_before_training(tmp_path):
+    """A read-only filesystem, mounted in a mount namespace of the test's own (the host's mounts stay as they
+    were): every writer stops at once, naming it. One namespace, all scripts, so it costs one mount."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mount namespaces need root and unshare (util-linux)")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    results = tmp_path / "results"
+    results.mkdir()
+    lines = []
+    for script, (command, flag) in WRITERS.items():
+        argv = command(script, "--total_epochs" if script != "train.py" else "--num_train_epochs", "2", flag,
+                       read_only / "out", *EXTRA.get(script, ()))
+        lines.append(" ".join(f"'{a}'" for a in argv) + f" > '{results / script.replace('/', '_')}.out' "
+                     f"2> '{results / script.replace('/', '_')}.err'; echo $? > '{results / script.replace('/', '_')}.rc'")
+    shell = f"mount -t tmpfs -o ro tmpfs '{read_only}' && " + " ; ".join(lines)
+    run(["unshare", "--mount", "--propagation", "private", "sh", "-c", shell], cwd=tmp_path, timeout=600)
+    for script in WRITERS:
+        name = script.replace("/", "_")
+        result = subprocess.CompletedProcess(script, int((results / f"{name}.rc").read_text()),
+                                             (results / f"{name}.out").read_text(), (results / f"{name}.err").read_text())
+        assert_refused_before_training(result, str(read_only / "out"), "(Read-only file system)", script)
+
+
+def test_two_runs_on_one_snapshot_the_second_stops_at_once_and_the_first_finishes(tmp_path):
+    """Two runs of the same command in one folder: the second names the first and stops before training; the
+    first trains to its end and its snapshot is whole. A SIGKILLed run's lock dies with it (the restart tests
+    restart on the same snapshot)."""
+    first = start(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "40", "--save_every", "1"), cwd=tmp_path)
+    wait_for(lambda: (tmp_path / "multigpu_torchrun.pt").exists() or first.poll() is not None, 120, "the first run")
+    second = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "40", "--save_every", "1"), cwd=tmp_path,
+                 check=False, timeout=120)
+    line = assert_one_line_error(second, "multigpu_torchrun.pt belongs to another run that is still going (pid",
+                                 "multigpu_torchrun.py --total_epochs 40 --save_every 1", "let it finish", code=1)
+    assert second.stderr.count(line) == 1 and not epoch_lines(second.stdout)
+    out = finish(first, 300)
+    assert first.returncode == 0, out
+    assert summary(out).epochs == 40 and load_snapshot(tmp_path / "multigpu_torchrun.pt")["epochs_run"] == 40
+    assert not (tmp_path / "multigpu_torchrun.pt.lock").exists(), "a run that ended removes its lock"
+
+
+def test_the_tutorial_in_order_in_one_folder(tmp_path):
+    """Each step writes its own snapshot: step 2 after step 1 trains, it does not find step 1's finished run;
+    going on from step 1's snapshot is a flag."""
+    run(python_cmd("singlegpu.py", "4", "2"), cwd=tmp_path)
+    out = run(python_cmd("multigpu.py", "4", "2"), cwd=tmp_path).stdout
+    assert [line.epoch for line in epoch_lines(out)] == [0, 1, 2, 3]
+    out = run(python_cmd("multigpu.py", "6", "2", "--snapshot_path", "singlegpu.pt"), cwd=tmp_path).stdout
+    assert "Resuming from singlegpu.pt at epoch 4" in out and [line.epoch for line in epoch_lines(out)] == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multigpu.pt", "singlegpu.pt"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("script, args, message", [
+    ("multigpu_torchrun.py", ("fifty", "10"), "argument total_epochs: expected a positive integer, got 'fifty'"),
+    ("torchrun_ddp.py", ("--total_epochs", "fifty"), "argument --total_epochs/--epochs: expected a positive integer"),
+])
+def test_a_flag_error_is_said_once_per_node_under_torchrun(tmp_path, script, args, message):
+    result = run(torchrun_cmd(script, *args), cwd=tmp_path, check=False, timeout=60)
+    line = assert_one_line_error(result, message, code=1)
+    assert result.stderr.count(line) == 1, result.stderr
+
+
+def test_two_nodes_on_one_machine_share_its_cores(tmp_path):
+    """Seed 003's command, both nodes of one process on this machine: torchrun sets no OMP_NUM_THREADS for one
+    process, so each would take every core. The script shares them out and says so, once."""
+    port = free_port()
+    agents = [start([BIN / "torchrun", "--nproc_per_node=1", "--nnodes=2", f"--node_rank={node}", "--rdzv_id=seed3",
+                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", REPO / "multinode.py", "2", "1",
+                     "--snapshot_path", f"node{node}.pt"], tmp_path,
+                    {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}) for node in (0, 1)]
+    outputs = [finish(agent, 120) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    cores = len(os.sched_getaffinity(0))
+    said = f"2 processes on this machine's {cores} cores: {max(1, cores // 2)} intra-op thread(s) each"
+    assert "".join(outputs).count(said) == 1, outputs
+
+
+def test_mpirun_from_a_venv_that_is_not_activated(tmp_path):
+    """The docs' form names the venv's mpirun and python: it works with a PATH that has neither (no activate)."""
+    env = mpi_env()
+    env["PATH"] = "/usr/bin:/bin"
+    env.pop("VIRTUAL_ENV", None)
+    python = BIN / "python"
+    result = run([BIN / "mpirun", "-np", "2", "--oversubscribe", python, REPO / "run_with_mpirun.py"], cwd=tmp_path,
+                 env=env, timeout=120)
+    assert "Collectives on 2 rank(s)" in result.stdout
+
+
+def test_a_node_whose_peers_never_come_says_it_is_waiting_and_ends_at_the_join_timeout(tmp_path):
+    """The docs' multi-node command sets --rdzv_conf=join_timeout=...; with LOGLEVEL=INFO torchrun says that it is
+    waiting for the others. Here node 0 alone, a 5 s join timeout."""
+    began = time.monotonic()
+    result = run([BIN / "torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv_id=alone", "--rdzv_backend=c10d",
+                  f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_conf=join_timeout=5", REPO / "multinode.py",
+                  "2", "1"], cwd=tmp_path, env=clean_env(LOGLEVEL="INFO"), check=False, timeout=90)
+    assert result.returncode != 0 and time.monotonic() - began < 60
+    assert re.search(r"Rendezvous'ing worker group", result.stderr), result.stderr[-3000:]
+    assert "RendezvousTimeoutError" in result.stderr
+    assert not (tmp_path / "multinode.pt").exists()

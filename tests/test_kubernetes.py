@@ -369,7 +369,6 @@ def test_pods_train_and_a_restart_resumes_from_the_snapshot_volume(path, tmp_pat
     master, worker = [Pod(name, command, variables, hosts) for name, command, variables in runs]
     if hosts is not None:
         worker.wait_for(UNRESOLVED.format(name=re.escape(trainjob_master(doc))), timeout=60)
-        time.sleep(2)  # a few more failed tries
         with hosts.open("a") as f:  # appended in place: the pods' bind mounts hold this inode
             f.write(f"127.0.0.1 {trainjob_master(doc)}\n")
     master.wait_for(r"^Epoch \d+ \| Snapshot saved", timeout=180)

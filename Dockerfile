@@ -1,5 +1,5 @@
 # The examples with CUDA, torch, mpi4py and Open MPI: one image for docker, SLURM (via enroot/apptainer)
-# and the Kubernetes PyTorchJob in k8s/.
+# and the Kubernetes jobs in k8s/.
 #
 #     docker build -t ddp-examples:latest .
 #     docker run --rm --gpus all --shm-size=2g ddp-examples:latest              # quick start, 2 GPUs

@@ -1,7 +1,7 @@
 """The launch files (slurm/, k8s/, Dockerfile): they parse, every script and flag they name exists, the
-image keeps the pins, and the PyTorchJob's command trains here with the variables the Kubernetes operator
-would set (epochs shortened to 2). The SLURM files run under a real cluster in test_slurm.py, the
-Dockerfile is built and run with podman in test_container.py; no Kubernetes cluster can be started here."""
+image keeps the pins. The SLURM files run under a real cluster in test_slurm.py, the Dockerfile is built
+and run with podman in test_container.py, and the Kubernetes manifests are checked against their API models
+and their commands run as pods would in test_kubernetes.py (no Kubernetes cluster can be started here)."""
 import functools
 import re
 import subprocess
@@ -9,11 +9,12 @@ import sys
 
 import pytest
 import yaml
-from conftest import BIN, REPO, clean_env, free_port, load_snapshot, run
+from conftest import BIN, REPO, run
 
 SBATCH = sorted((REPO / "slurm").glob("*.sbatch"))
 SHELL_FILES = SBATCH + sorted(p for p in REPO.rglob("*.sh") if ".git" not in p.parts)
 YAML_FILES = sorted((REPO / "k8s").glob("*.yaml"))
+K8S_CLAIM = REPO / "k8s" / "snapshots-pvc.yaml"  # a volume: no command
 DOCKERFILE = REPO / "Dockerfile"
 FLAG = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_-]*")
 
@@ -32,15 +33,24 @@ def logical_lines(path):
     return joined
 
 
+def containers_in(node):
+    """Every mapping with a command or args list in a YAML document, wherever the kind puts it: a pod's
+    containers, a PyTorchJob's replica templates, a TrainJob's trainer."""
+    if isinstance(node, dict):
+        if isinstance(node.get("command"), list) or isinstance(node.get("args"), list):
+            yield node
+        for value in node.values():
+            yield from containers_in(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from containers_in(value)
+
+
 def commands_in(path):
     """Token lists of the commands a file runs: YAML container commands, or shell-like lines."""
     if path.suffix == ".yaml":
-        found = []
-        for doc in yaml.safe_load_all(path.read_text()):
-            for spec in doc["spec"]["pytorchReplicaSpecs"].values():
-                for container in spec["template"]["spec"]["containers"]:
-                    found.append([*container.get("command", []), *container.get("args", [])])
-        return found
+        return [[*c.get("command", []), *c.get("args", [])] for doc in yaml.safe_load_all(path.read_text())
+                for c in containers_in(doc)]
     # Prose punctuation (a word ending in ':', ',' or '.') ends a command, as a ';' would.
     return [[token.strip("\"'[],") if not token.endswith((":", ",", ".")) else ";" for token in line.split()]
             for line in logical_lines(path)]
@@ -79,28 +89,11 @@ def test_shell_files_parse():
         assert result.returncode == 0, f"{path}: {result.stderr}"
 
 
-def test_pytorchjob_has_master_and_workers():
-    assert YAML_FILES
-    for path in YAML_FILES:
-        (job,) = list(yaml.safe_load_all(path.read_text()))
-        assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
-        replicas = job["spec"]["pytorchReplicaSpecs"]
-        assert set(replicas) == {"Master", "Worker"}
-        assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] >= 1
-        assert int(job["spec"]["nprocPerNode"]) >= 1
-        for spec in replicas.values():
-            (container,) = spec["template"]["spec"]["containers"]
-            assert container["name"] == "pytorch"  # the container the operator injects its variables into
-            assert container["command"][0] == "torchrun" and "multinode.py" in container["command"]
-            snapshot = next(a.split("=", 1)[1] for a in container["command"] if a.startswith("--snapshot_path"))
-            mounts = [m["mountPath"] for m in container["volumeMounts"]]
-            assert any(snapshot.startswith(m + "/") for m in mounts), f"snapshot {snapshot} not on a volume"
-
-
 def test_every_script_and_flag_named_exists():
     uses = script_uses()
     scripts = {program for _, program, _ in uses if program != "torchrun"}
     assert {"multinode.py", "run_with_mpirun.py", "multigpu_torchrun.py"} <= scripts
+    assert {path for path, program, _ in uses if program == "torchrun"} >= set(YAML_FILES) - {K8S_CLAIM}
     for path, program, flag in uses:
         if program != "torchrun":
             assert (REPO / program).is_file(), f"{path.name} names {program}, which does not exist"
@@ -137,31 +130,6 @@ def test_dockerfile_installs_the_pinned_requirements():
     assert re.search(r"^COPY requirements.txt", text, re.M)
     env = dict(re.findall(r"(OMPI_ALLOW_RUN_AS_ROOT(?:_CONFIRM)?)=(\S+)", text))
     assert env == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-
-def assert_trained(result, snapshot, world_size):
-    summary = [line for line in result.stdout.splitlines() if line.startswith("Summary:")]
-    assert len(summary) == 1, result.stdout[-2000:]
-    assert f"world size {world_size} | backend gloo" in summary[0]
-    assert load_snapshot(snapshot)["epochs_run"] == 2
-
-
-def shortened(argv, snapshot):
-    """The same command with 2 epochs and the snapshot in the test's folder."""
-    text = re.sub(r"--total_epochs[ =]\d+", "--total_epochs=2", " ".join(argv))
-    return re.sub(r"--snapshot_path[ =]\S+", f"--snapshot_path={snapshot}", text)
-
-
-def test_pytorchjob_command_trains_with_the_operator_variables(tmp_path):
-    (job,) = list(yaml.safe_load_all(YAML_FILES[0].read_text()))
-    command = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
-    operator = {"PET_NNODES": "1", "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"], "PET_NODE_RANK": "0",
-                "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(free_port())}
-    # Kubernetes expands $(VAR) in a command from the container's environment, where the operator put these.
-    argv = [re.sub(r"\$\((\w+)\)", lambda m: operator[m[1]], arg) for arg in command]
-    argv = shortened(argv, tmp_path / "snap.pt").split()
-    result = run([BIN / argv[0], *argv[1:]], cwd=REPO, env=clean_env(**operator), timeout=180)
-    assert_trained(result, tmp_path / "snap.pt", world_size=int(operator["PET_NPROC_PER_NODE"]))
 
 
 # torchrun accepts both spellings of its flags; the repository uses one, with underscores.

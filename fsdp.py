@@ -1,12 +1,14 @@
 """Step 5: FSDP2 shards the model, its gradients and its optimizer state over the ranks; each rank saves its shards.
 
     torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --amp --async_save   # 2 processes (GPUs, or CPU with gloo)
+    torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --save_every_steps 20   # mid-epoch checkpoints too
     # two nodes, HOST an address of node 0; the checkpoints on a filesystem that both nodes share:
     torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
         fsdp.py 50 10 --snapshot_path /shared/fsdp_checkpoints
 
 A checkpoint is a directory of shards (fsdp_checkpoints/epoch_000010/); a run resumes from the newest complete one,
-at the same or at another world size (docs/fsdp.md). Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py`.
+at the same or at another world size, mid-epoch too: each epoch has one order of the whole dataset, and the
+checkpoint holds how far into it training is, which means the same at any world size (docs/fsdp.md). Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py`.
 """
 import os
 import time
@@ -19,84 +21,113 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, teardown
 from ddp_common.checkpoint_dir import CheckpointDir
 from ddp_common.data import regression_dataset
 from ddp_common.devices import check_backend, share_cores
+from ddp_common.errors import UsageError
 from ddp_common.memory import memory_report
 from ddp_common.models import BlockMLP
 from ddp_common.progress import summary_line
 from ddp_common.rendezvous import group_store
+from ddp_common.sharding import GlobalOrderSampler
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, async_save, device):
+    def __init__(self, model, train_data, optimizer, save_every, save_every_steps, snapshot_path, async_save, device):
         self.device = device
         self.model = model  # sharded by fully_shard, on the device
         self.train_data = train_data
         self.optimizer = optimizer
-        self.save_every = save_every
+        self.save_every, self.save_every_steps = save_every, save_every_steps
+        self.sampler = train_data.sampler
+        self.position, self.steps_done = 0, 0  # samples of the epoch's order used; steps since the start
         self.snapshot_path = snapshot_path
         self.save = dcp.async_save if async_save else dcp.save  # async: copies the shards, writes them in a thread
         self.logs = dist.get_rank() == 0  # rank 0 speaks for all (and marks checkpoints complete)
         # Every rank saves its own shards there; rank 0 marks a checkpoint complete once all are written, and says so.
         self.checkpoints = CheckpointDir(snapshot_path, log=print)
-        self.epochs_run, path = self.checkpoints.newest()  # complete checkpoints only
-        if self.epochs_run:
+        where, path = self.checkpoints.newest()  # complete checkpoints only
+        self.epochs_run = 0
+        if where:
             state = self.state()  # this rank's shards now: DCP reads into them what they cover of the saved ones
             with self.checkpoints.loading(path, state):  # another model, a missing shard: one line
                 dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-            self.log(f"Resuming from {path} at epoch {self.epochs_run}")
+            self.resume_at(where, path)
+
+    def where(self):
+        """What a checkpoint's marker holds besides the shards: where training stands, and what that depends on."""
+        return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
+                "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch}
+
+    def resume_at(self, where, path):
+        for key, here in (("dataset_size", self.sampler.size), ("seed", self.sampler.seed)):
+            if where.get(key, here) != here:  # the position counts into the order these make
+                raise UsageError(f"{path} was made with another {key.replace('_', ' ')} ({where[key]}, here {here}): "
+                                 "its position means nothing here; move it away to start afresh")
+        self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
+        self.log(f"Resuming from {path} at epoch {self.epochs_run}"
+                 + (f", sample {self.position} of {self.sampler.size}" if self.position else ""))
 
     def state(self, options=None):
         """Model and optimizer state keyed by parameter name, not by rank; by default each rank's shards."""
         model, optimizer = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model, "optimizer": optimizer}
 
-    def _run_batch(self, source, targets):
+    def _run_batch(self, source, targets, step_size):
         self.optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(self.model(source), targets)
-        loss.backward()  # FSDP gathers each block again, then reduce-scatters: each rank averages its shard
+        loss = F.mse_loss(self.model(source), targets, reduction="sum")
+        # FSDP averages the ranks' gradients: scaled by world size / step size, that is the mean over the step's
+        # samples, however many each rank has (pieces of a step differ by one at most).
+        (loss * dist.get_world_size() / step_size).backward()  # FSDP gathers each block again, reduce-scatters
         self.optimizer.step()
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        self.sampler.set_epoch(epoch, self.position)  # the epoch's order, from where a checkpoint left it
+        trained = self.sampler.size - self.position
         # Summed on the device and read once per epoch: a .item() per step would stall every step.
         loss_sum = torch.zeros((), device=self.device)
         for source, targets in self.train_data:
-            source, targets = source.to(self.device), targets.to(self.device)
-            loss_sum += self._run_batch(source, targets)
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of all ranks, not rank 0's alone
-        mean_loss = loss_sum.item() / len(self.train_data)
-        self.log(f"Epoch {epoch} | Batchsize {self.train_data.batch_size} | Steps {len(self.train_data)} | "
+            step_size = min(self.sampler.global_batch, self.sampler.size - self.position)
+            loss_sum += self._run_batch(source.to(self.device), targets.to(self.device), step_size)
+            self.position, self.steps_done = self.position + step_size, self.steps_done + 1
+            if self.save_every_steps and self.steps_done % self.save_every_steps == 0 and self.position < self.sampler.size:
+                self._save()  # mid-epoch: the epochs done, and how far into this one's order
+            self.checkpoints.commit(wait=False)  # a checkpoint whose save has returned is marked complete now
+        dist.all_reduce(loss_sum)  # the squared errors of all ranks
+        mean_loss = loss_sum.item() / trained
+        steps = -(-self.sampler.size // self.sampler.global_batch)
+        self.log(f"Epoch {epoch} | Batchsize {self.sampler.global_batch // dist.get_world_size()} | Steps {steps} | "
                  f"Loss {mean_loss:.6f}")
+        self.epochs_run, self.position = epoch + 1, 0
         return mean_loss
+
+    def _save(self):
+        path = self.checkpoints.start(self.where())  # its .tmp directory, once the save before it is complete
+        # Every rank writes its own shards at once (async: copies them, and writes while training goes on).
+        self.checkpoints.saving(self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
 
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
             self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
                      f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
             return
-        start = time.perf_counter()
+        start, first_epoch, first_step = time.perf_counter(), self.epochs_run, self.steps_done
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
             epochs_done = epoch + 1
-            if epoch == self.epochs_run:  # measured once gradients and optimizer state exist
+            if epoch == first_epoch:  # measured once gradients and optimizer state exist
                 self.log(memory_report(self.model, self.optimizer))
             if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
-                path = self.checkpoints.start(epochs_done)  # epoch_N.tmp/, once the save before it is complete
-                # Every rank writes its own shards at once (async: copies them, and writes while training goes on).
-                result = self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group)
-                self.checkpoints.saving(result)
+                self._save()
             self.checkpoints.commit(wait=epochs_done == max_epochs)  # async: complete once written
         wall = time.perf_counter() - start  # loss.item() above waited for the device
-        epochs = max_epochs - self.epochs_run
-        samples = epochs * len(self.train_data.dataset)
-        self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
+        epochs = max_epochs - first_epoch
+        samples = epochs * self.sampler.size
+        self.log(summary_line(epochs, self.steps_done - first_step, loss, samples, wall))
 
     def log(self, text):
         if self.logs:
@@ -137,9 +168,15 @@ def main(args):
               + (f" | {threads}" if threads else ""))
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,))  # one dimension: shard over all ranks
     dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp)
-    # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
-    train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
-    trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, args.async_save, device)
+    # Every rank builds the same dataset (same seed). Each step takes the next global batch of the epoch's order and
+    # gives every rank a piece; the position in that order is what a mid-epoch checkpoint keeps.
+    sampler = GlobalOrderSampler(len(dataset), rank, world_size, args.global_batch_size or args.batch_size * world_size,
+                                 seed=args.seed)
+    # The sampler hands out whole batches. The loader gets a generator of its own: each pass draws a seed, else from
+    # the global generator, whose state the snapshot keeps (a resumed part of an epoch would draw once more).
+    train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
+    trainer = Trainer(model, train_data, optimizer, args.save_every, args.save_every_steps, args.snapshot_path,
+                      args.async_save, device)
     trainer.train(args.total_epochs)
     if args.export_path:  # the full state, gathered in rank 0's CPU memory (the others get none), as one file
         full_state = trainer.state(StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -156,4 +193,9 @@ if __name__ == "__main__":
     parser.add_argument("--amp", action="store_true", help="bf16 compute; fp32 gradient reduction and weights")
     parser.add_argument("--async_save", action="store_true", help="write checkpoints while training goes on")
     parser.add_argument("--export_path", help="at the end, write the full state to this file (torch.save)")
+    parser.add_argument("--save_every_steps", type=cli.positive_int,
+                        help="also write a checkpoint every N steps, mid-epoch: a crash costs at most N steps")
+    parser.add_argument("--global_batch_size", type=cli.positive_int,
+                        help="samples per step over all ranks (default: --batch_size times the world size); keep it "
+                             "when resuming at another world size, and the run trains as it would have")
     cli.run(main, parser)

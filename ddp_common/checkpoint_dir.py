@@ -6,7 +6,9 @@ A checkpoint of torch.distributed.checkpoint (DCP) is a directory: a file of sha
 fsynced its file. A save killed midway leaves some of these files, and DCP has no other notion of "complete".
 So each checkpoint is written into `epoch_000004.tmp/`; when DCP's save has returned on rank 0, rank 0 writes
 a marker (`complete.json`, fsynced) into it and renames it to `epoch_000004/`. Only directories so named with
-the marker are loaded, the newest first; leftovers of killed saves are removed at the next start.
+the marker are loaded, the newest first; leftovers of killed saves are removed at the next start. A checkpoint
+taken mid-epoch is `epoch_000004_sample_000001024/`: 4 epochs done, and 1024 samples of the fifth one's order;
+the marker holds where training stands (epochs, position, steps, and what the position depends on).
 """
 import json
 import os
@@ -27,11 +29,11 @@ from ddp_common.teardown import join_save_threads
 
 MARKER = "complete.json"
 KEEP = 2  # complete checkpoints kept: the newest, and the one before it
-NAME = re.compile(r"epoch_(\d+)")
+NAME = re.compile(r"epoch_(\d+)(?:_sample_(\d+))?")
 
 
 class CheckpointDir:
-    """The checkpoints under `root`: `epoch_NNNNNN/` once complete, `epoch_NNNNNN.tmp/` while being written.
+    """The checkpoints under `root`: `epoch_NNNNNN[_sample_NNNNNNNNN]/` once complete, with `.tmp` while written.
     `root` must be the same directory for every rank: on several nodes, a filesystem they all share.
 
     DCP's collectives run in a gloo group of the checkpoints' own (`group`): an async save runs them in a
@@ -41,20 +43,23 @@ class CheckpointDir:
     def __init__(self, root, log):
         self.root, self.log = root, log  # log: how rank 0 reports a checkpoint complete
         self.group = dist.new_group(backend="gloo")
-        self.pending = None  # [epochs, what dcp.save or dcp.async_save returned] until marked complete
+        self.pending = None  # [where, what dcp.save or dcp.async_save returned] until marked complete
 
-    def path(self, epochs):
-        return os.path.join(self.root, f"epoch_{epochs:06d}")
+    def path(self, where):
+        """The directory of the checkpoint of `where` (a dict: epochs_run, position)."""
+        name = f"epoch_{where['epochs_run']:06d}" + (f"_sample_{where['position']:09d}" if where["position"] else "")
+        return os.path.join(self.root, name)
 
     def complete(self):
-        """[(epochs, path)] of the complete checkpoints, oldest first."""
+        """[((epochs, position), path)] of the complete checkpoints, oldest first."""
         names = os.listdir(self.root) if os.path.isdir(self.root) else []
-        found = [(int(m[1]), os.path.join(self.root, name)) for name in names if (m := NAME.fullmatch(name))]
-        return sorted((epochs, path) for epochs, path in found if os.path.isfile(os.path.join(path, MARKER)))
+        found = [((int(m[1]), int(m[2] or 0)), os.path.join(self.root, name)) for name in names
+                 if (m := NAME.fullmatch(name))]
+        return sorted((key, path) for key, path in found if os.path.isfile(os.path.join(path, MARKER)))
 
     def newest(self):
-        """Every rank calls this at start: (epochs, path) of the newest complete checkpoint, (0, None) if there is
-        none. Rank 0 makes sure it can write under root and that no other live run does (snapshot.check_writable,
+        """Every rank calls this at start: (where, path) of the newest complete checkpoint, `where` being what its
+        marker holds (epochs_run, position, steps, ...); (None, None) if there is none. Rank 0 makes sure it can write under root and that no other live run does (snapshot.check_writable,
         snapshot.lock), removes what killed saves left, and decides; every rank checks that it sees the same root.
         A problem stops every rank with the same line."""
         choice = problem = None
@@ -67,7 +72,9 @@ class CheckpointDir:
                         shutil.rmtree(os.path.join(self.root, name))
                 probe = f".probe-{uuid.uuid4().hex}"
                 open(os.path.join(self.root, probe), "w").close()
-                choice = (probe, (self.complete() or [(0, None)])[-1])
+                newest = (self.complete() or [(None, None)])[-1][1]
+                where = json.load(open(os.path.join(newest, MARKER))) if newest else None
+                choice = (probe, (where, newest))
             except UsageError as error:
                 problem = str(error).replace("the snapshot", "checkpoints in", 1)
         box, sees = [(choice, problem)], [None] * dist.get_world_size()
@@ -101,12 +108,13 @@ class CheckpointDir:
                              f"{one_line(cause)}); move it away to resume from the one before, or pass another "
                              "--snapshot_path") from None
 
-    def start(self, epochs):
-        """The directory to save the checkpoint of `epochs` into, once the save before it is complete (DCP saves
-        one at a time). Nothing loads it until it is marked complete."""
+    def start(self, where):
+        """The directory to save the checkpoint of `where` (epochs_run, position, steps, ...: what its marker will
+        hold) into, once the save before it is complete (DCP saves one at a time). Nothing loads it until it is
+        marked complete."""
         self.commit(wait=True)
-        self.pending = [epochs, None]
-        return self.path(epochs) + ".tmp"
+        self.pending = [where, None]
+        return self.path(where) + ".tmp"
 
     def saving(self, result):
         """What dcp.save (metadata: written) or dcp.async_save (a future: being written) returned."""
@@ -118,22 +126,25 @@ class CheckpointDir:
         directory, and removes the oldest beyond the newest KEEP."""
         if self.pending is None or not (wait or not isinstance(self.pending[1], Future) or self.pending[1].done()):
             return
-        (epochs, result), self.pending = self.pending, None
+        (where, result), self.pending = self.pending, None
         if isinstance(result, Future):
             result.result()  # raises what the save thread raised
             join_save_threads()
         if dist.get_rank() != 0:
             return
-        staging, final = self.path(epochs) + ".tmp", self.path(epochs)
+        staging, final = self.path(where) + ".tmp", self.path(where)
         with open(os.path.join(staging, MARKER), "w") as f:
-            json.dump({"epochs_run": epochs, "world_size": dist.get_world_size()}, f)
+            json.dump({**where, "world_size": dist.get_world_size()}, f)
             f.flush()
             os.fsync(f.fileno())
         os.rename(staging, final)
         snapshot.fsync_dir(self.root)
         for _, old in self.complete()[:-KEEP]:
             shutil.rmtree(old)
-        self.log(f"Epoch {epochs - 1} | Snapshot saved at {final}")
+        if where["position"]:
+            self.log(f"Epoch {where['epochs_run']} | sample {where['position']} | Snapshot saved at {final}")
+        else:
+            self.log(f"Epoch {where['epochs_run'] - 1} | Snapshot saved at {final}")
 
 
 def check_fits(path, state):

@@ -78,3 +78,48 @@ def without_join(batches_per_rank, timeout):
             f"{len(batches_per_rank) - 1}) and train without Join: the ranks with more batches waited --timeout "
             f"{seconds:g}s for an all-reduce that the others never joined; train with Join "
             "(leave out --no_join), or give every rank the same number of batches (DistributedSampler)") from None
+
+
+def split_evenly(count, parts):
+    """`count` items in `parts` contiguous pieces whose sizes differ by at most one, the larger first."""
+    return [count // parts + (part < count % parts) for part in range(parts)]
+
+
+class GlobalOrderSampler:
+    """This rank's batches, cut from one order of the whole dataset per epoch, with a position in that order that
+    means the same at any world size: what a mid-epoch checkpoint must hold to resume exactly, or at another world
+    size with every sample once.
+
+    Each epoch has one order of all `size` samples (a permutation from seed and epoch, the same on every rank and
+    at any world size). A step takes the next `global_batch` samples of it and gives each rank a contiguous piece
+    (sizes differ by at most one, so any global batch suits any world size). `position` counts the samples of the
+    epoch that steps have used: restored from a checkpoint with set_epoch(epoch, position), iteration goes on
+    with the next sample of the order. Use it as DataLoader(dataset, sampler=it, batch_size=None) with a dataset
+    that takes a list of indices (TensorDataset does): a rank whose piece of a short last step is empty gets
+    empty tensors, and still takes part in the step's collectives."""
+
+    def __init__(self, size, rank, world_size, global_batch, seed=0):
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.global_batch, self.seed = global_batch, seed
+        self.epoch, self.position = 0, 0
+
+    def set_epoch(self, epoch, position=0):
+        self.epoch, self.position = epoch, position
+
+    def order(self):
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def step_sizes(self):
+        """The global sizes of the steps left in this epoch, from `position` on."""
+        return [min(self.global_batch, self.size - start) for start in range(self.position, self.size, self.global_batch)]
+
+    def __len__(self):
+        return len(self.step_sizes())
+
+    def __iter__(self):
+        order = self.order()
+        for start in range(self.position, self.size, self.global_batch):
+            step = order[start:start + self.global_batch]
+            pieces = split_evenly(len(step), self.world_size)
+            first = sum(pieces[:self.rank])
+            yield step[first:first + pieces[self.rank]].tolist()

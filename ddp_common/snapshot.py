@@ -20,6 +20,7 @@ import multiprocessing.util
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 import zipfile
@@ -33,11 +34,50 @@ from ddp_common.errors import UsageError, one_line
 FORMAT = "ddp-examples-snapshot-v2"
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 _locks = {}  # path -> open lock file: held for as long as this process lives
+_in_flight, _failed = [], []  # the background save being written; what it raised
 
 
-def save(state, path):
+def save(state, path, background=False):
     """Write the dict `state` to `path` atomically: a reader, or the next start after a crash, sees the old
-    snapshot or the new one, whole."""
+    snapshot or the new one, whole. With `background`, return once the state is copied, and write it in a thread
+    while training goes on (the write, fsync above all, no longer stalls the step); one save at a time, so the
+    next one waits for this one, and finish_saves() waits before the process ends."""
+    finish_saves()
+    if not background:
+        write(state, path)
+        return
+    writer = threading.Thread(target=write_in_background, args=(copied(state), path), name="snapshot-writer")
+    _in_flight.append(writer)
+    writer.start()
+
+
+def copied(value):
+    """`value` with every tensor in it copied to the CPU: what the training thread may change next is not written."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied(item) for item in value)
+    return value
+
+
+def write_in_background(state, path):
+    try:
+        write(state, path)
+    except BaseException as error:  # raised in the training thread by the next save or finish_saves()
+        _failed.append(error)
+
+
+def finish_saves():
+    """Wait for the snapshot being written in the background, if any; raise what its write raised."""
+    while _in_flight:
+        _in_flight.pop().join()
+    if _failed:
+        raise _failed.pop()
+
+
+def write(state, path):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     remove_stale_temporaries(path)

@@ -7,9 +7,12 @@ Checkpoints are read back in the test process with DCP's own converter (dcp_to_t
 Launches are few (each costs seconds on a CPU): one 2-rank run serves most tests.
 """
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
+from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, collectives_issued,
                       epoch_lines, finish, free_port, run, start, summary, torchrun_cmd)
 from ddp_common import checkpoint_dir
+from test_reliability import torchrun_worker, wait_for
+from test_step_checkpoints import epoch_batches
 from ddp_common.models import BlockMLP
 
 FLAGS = ("--save_every", "2", "--batch_size", "256")  # 4 steps an epoch at 2 ranks: FSDP on a CPU is slow per step
@@ -74,7 +79,9 @@ def test_fsdp_learns_shards_block_by_block_reports_its_shards_and_saves_complete
     checkpoints = directory / "fsdp_checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004"]
     newest = checkpoints / "epoch_000004"
-    assert json.loads((newest / checkpoint_dir.MARKER).read_text()) == {"epochs_run": 4, "world_size": 2}
+    assert json.loads((newest / checkpoint_dir.MARKER).read_text()) == {
+        "epochs_run": 4, "position": 0, "steps": STEPS * 4, "dataset_size": 2048, "seed": 0, "global_batch": 512,
+        "world_size": 2}
     assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", checkpoint_dir.MARKER]
 
     # Each rank wrote its own shard of every parameter: from the checkpoint's metadata, the bytes of the model
@@ -254,7 +261,8 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
     model_state, optimizer_state = get_state_dict(other, optimizer)
     checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"
     save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
-    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 2, "world_size": 1}))
+    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 2, "position": 0, "steps": 2,
+                                                                  "world_size": 1}))
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
     result = run(fsdp("--total_epochs", "4", *FLAGS, nproc=1), cwd=tmp_path, check=False, timeout=120)
     assert_one_line_error(result, "checkpoint fsdp_checkpoints/epoch_000002 does not fit this model",
@@ -288,3 +296,42 @@ def test_a_snapshot_path_the_nodes_do_not_share_is_refused_in_one_line(tmp_path)
         assert not epoch_lines(out), "stopped before training"
     assert list((cwds[0] / "fsdp_checkpoints").iterdir()) == [], "rank 0's probe file removed, nothing saved"
     assert not (cwds[1] / "fsdp_checkpoints").exists()
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_a_mid_epoch_checkpoint_resumes_at_another_world_size_with_every_sample_once(uninterrupted, tmp_path, nproc):
+    """Checkpoints every 3 steps (4 steps an epoch at 2 ranks); the run killed once the one 2 steps into epoch 1 is
+    complete; resumed at 1 and at 3 ranks with the same global batch of 512: it goes on from sample 1024 of epoch
+    1, every sample of that epoch trained on once (counted by the probe), and ends with the uninterrupted run's
+    weights but for the order of float additions."""
+    directory, _ = uninterrupted
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    mid = tmp_path / "fsdp_checkpoints" / "epoch_000001_sample_000001024"
+    job = start(fsdp("--total_epochs", EPOCHS, *FLAGS, "--save_every_steps", "3"), cwd=tmp_path,
+                env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=first))
+    wait_for(lambda: (mid / checkpoint_dir.MARKER).exists() or job.poll() is not None, 180, "the mid-epoch checkpoint")
+    for pid in [job.pid, *(torchrun_worker(job.pid, rank) for rank in (0, 1))]:
+        os.kill(pid, signal.SIGKILL)
+    finish(job, 60)
+    # Training may have gone on a step or two before the kill: what a crash right after the checkpoint leaves.
+    for later in (tmp_path / "fsdp_checkpoints").iterdir():
+        if later.name > mid.name:
+            shutil.rmtree(later)
+
+    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--global_batch_size", "512", nproc=nproc), cwd=tmp_path,
+              env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=second), timeout=180).stdout
+    assert f"Resuming from fsdp_checkpoints/{mid.name} at epoch 1, sample 1024 of 2048" in out
+    used = Counter()
+    for rank in (0, 1):
+        for batch in epoch_batches(first, rank)[1][:2]:  # epoch 1's steps before the checkpoint
+            used.update(batch)
+    for rank in range(nproc):
+        for batch in epoch_batches(second, rank)[0]:
+            used.update(batch)
+    assert sorted(used) == list(range(2048)) and set(used.values()) == {1}, "every sample of epoch 1 once"
+    final = full_state(tmp_path / "fsdp_checkpoints" / "epoch_000004", tmp_path)
+    reference = full_state(directory / "fsdp_checkpoints" / "epoch_000004", tmp_path)
+    for name, weight in reference["model"].items():
+        assert torch.allclose(final["model"][name], weight, rtol=0, atol=1e-5), name

@@ -5,6 +5,7 @@ threads of nodes that share a machine, mpirun from a venv that is not activated,
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -12,7 +13,7 @@ import pytest
 
 from conftest import (BIN, MNIST, REPO, assert_one_line_error, clean_env, epoch_lines, finish, free_port,
                       load_snapshot, mpi_env, python_cmd, run, start, summary, torchrun_cmd)
-from test_reliability import wait_for
+from test_reliability import torchrun_worker, wait_for
 
 # Every script that writes a snapshot, checkpoints or an output directory, with the flag that says where, under
 # the launcher it is made for.
@@ -90,8 +91,14 @@ def test_two_runs_on_one_snapshot_the_second_stops_at_once_and_the_first_finishe
     restart on the same snapshot)."""
     first = start(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "40", "--save_every", "1"), cwd=tmp_path)
     wait_for(lambda: (tmp_path / "multigpu_torchrun.pt").exists() or first.poll() is not None, 120, "the first run")
+    # Held still (as a slow machine would be) while the second starts, so that it is certainly still going.
+    workers = [torchrun_worker(first.pid, rank) for rank in (0, 1)]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
     second = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "40", "--save_every", "1"), cwd=tmp_path,
                  check=False, timeout=120)
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
     line = assert_one_line_error(second, "multigpu_torchrun.pt belongs to another run that is still going (pid",
                                  "multigpu_torchrun.py --total_epochs 40 --save_every 1", "let it finish", code=1)
     assert second.stderr.count(line) == 1 and not epoch_lines(second.stdout)

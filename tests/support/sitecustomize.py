@@ -15,6 +15,10 @@ On request, through the environment:
   model's weights to DIR/rank<R>.pt, so a test can compare the ranks' weights itself.
 - DDP_EXAMPLES_PROBE_FAKE_GPUS=N: torch reports N CUDA GPUs and NCCL, for the checks that run before any
   GPU is touched (more ranks than GPUs).
+- DDP_EXAMPLES_PROBE_SAMPLES=DIR: each process writes DIR/rank<R>-restart<C>-<pid>.jsonl, a line per event:
+  {"iter": N} when a DataLoader starts its N-th pass (an epoch, or what is left of one), {"batch": [indices]}
+  for every batch a DataLoader fetches, {"step": N} after every optimizer step (N counted in this process), so
+  that a test can count which samples each step trained on, and how many steps a killed process finished.
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -94,6 +98,60 @@ def save_replica(rank):
     torch.save(state, os.path.join(os.environ["DDP_EXAMPLES_PROBE_REPLICAS"], f"rank{rank}.pt"))
 
 
+_events = None
+
+
+def event(record):
+    global _events
+    if _events is None:
+        name = (f"rank{os.environ.get('RANK', 0)}-restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}-"
+                f"{os.getpid()}.jsonl")
+        _events = open(os.path.join(os.environ["DDP_EXAMPLES_PROBE_SAMPLES"], name), "a", buffering=1)
+    import json
+    _events.write(json.dumps(record) + "\n")
+
+
+def patch_fetch(module):
+    fetch = module._MapDatasetFetcher.fetch
+
+    def logged_fetch(self, possibly_batched_index):
+        index = possibly_batched_index
+        event({"batch": [int(i) for i in index] if isinstance(index, list) else index})
+        return fetch(self, possibly_batched_index)
+
+    module._MapDatasetFetcher.fetch = logged_fetch
+
+
+def patch_dataloader(module):
+    iterate = module.DataLoader.__iter__
+    passes = [0]
+
+    def logged_iter(self):
+        passes[0] += 1
+        event({"iter": passes[0]})
+        return iterate(self)
+
+    module.DataLoader.__iter__ = logged_iter
+
+
+def patch_steps(module):
+    steps = [0]
+
+    def count(optimizer, args, kwargs):
+        if type(optimizer).__name__ != "ZeroRedundancyOptimizer":  # its local optimizer's step counts
+            steps[0] += 1
+            event({"step": steps[0]})
+
+    module.register_optimizer_step_post_hook(count)
+
+
+def patch_optim(module):
+    if os.environ.get("DDP_EXAMPLES_PROBE_REPLICAS"):
+        patch_optimizer(module)
+    if os.environ.get("DDP_EXAMPLES_PROBE_SAMPLES"):
+        patch_steps(module)
+
+
 def patch_trainer(module):
     train = module.Trainer.train
 
@@ -120,7 +178,11 @@ if os.environ.get("DDP_EXAMPLES_PROBE_WEIGHTS"):
     PATCHES["transformers.trainer"] = patch_trainer
 if os.environ.get("DDP_EXAMPLES_PROBE_REPLICAS"):
     PATCHES["torch.nn.parallel.distributed"] = patch_ddp
-    PATCHES["torch.optim.optimizer"] = patch_optimizer
+if os.environ.get("DDP_EXAMPLES_PROBE_REPLICAS") or os.environ.get("DDP_EXAMPLES_PROBE_SAMPLES"):
+    PATCHES["torch.optim.optimizer"] = patch_optim
+if os.environ.get("DDP_EXAMPLES_PROBE_SAMPLES"):
+    PATCHES["torch.utils.data._utils.fetch"] = patch_fetch
+    PATCHES["torch.utils.data.dataloader"] = patch_dataloader
 if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_GPUS"):
     PATCHES["torch"] = patch_torch
 

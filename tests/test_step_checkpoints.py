@@ -1,0 +1,187 @@
+"""Step checkpoints (by_feature/step_checkpoints.py): SIGKILLs at arbitrary steps under torchrun --max_restarts end
+bitwise equal to an uninterrupted run and lose at most N steps; a run stopped at one world size and resumed at
+another uses every sample of the interrupted epoch exactly once. What each process trained on is counted from
+outside the script (tests/support/sitecustomize.py, DDP_EXAMPLES_PROBE_SAMPLES): the indices of every batch it
+fetched and every optimizer step it took.
+"""
+import json
+import os
+import re
+import signal
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import (assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish, load_snapshot,
+                      python_cmd, run, start, summary, torchrun_cmd)
+from ddp_common import snapshot
+from test_reliability import HANG_GUARD_S, torchrun_worker, wait_for
+
+SCRIPT = "by_feature/step_checkpoints.py"
+N = 4096  # the example's dataset
+EVERY = 20  # --save_every_steps
+SMALL = ("--input_size", "20", "--save_every_steps", str(EVERY))
+RESUMED = re.compile(r"^Resuming from \S+ at epoch (\d+), sample (\d+) of \d+ \(step (\d+), saved at world size (\d+)\)",
+                     re.M)
+
+
+def probe_env(directory):
+    directory.mkdir(exist_ok=True)
+    return clean_env(DDP_EXAMPLES_PROBE_SAMPLES=directory)
+
+
+def events(directory, rank, restart=0):
+    """The probe's events of one rank in one restart round, in order (one process each)."""
+    (path,) = directory.glob(f"rank{rank}-restart{restart}-*.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def steps_taken(directory, rank, restart=0):
+    return sum("step" in event for event in events(directory, rank, restart))
+
+
+def epoch_batches(directory, rank, restart=0):
+    """[[batch indices, ...] of each pass of the DataLoader] of one process."""
+    passes = []
+    for event in events(directory, rank, restart):
+        if "iter" in event:
+            passes.append([])
+        elif "batch" in event:
+            passes[-1].append(event["batch"])
+    return passes
+
+
+def wait_for_steps(directory, rank, restart, count, job):
+    def done():
+        try:
+            return steps_taken(directory, rank, restart) >= count
+        except ValueError:  # no file yet
+            return False
+    wait_for(lambda: done() or job.poll() is not None, 120, f"rank {rank} to take {count} steps")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """2 ranks, 2 epochs of 128 steps (16 samples per rank and step): the reference."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "16"), cwd=directory, timeout=300)
+    return load_snapshot(directory / "step_checkpoints.pt")
+
+
+def test_sigkills_at_arbitrary_steps_lose_at_most_n_steps_and_end_bitwise_equal(tmp_path, uninterrupted):
+    """Rank 1 killed at step 33 of epoch 0, rank 0 of the restarted group 47 steps later, mid-epoch 1: each restart
+    resumes from the last step snapshot, mid-epoch, and the run ends where the uninterrupted one did, to the bit."""
+    probes = tmp_path / "probe"
+    job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "16", extra=("--max_restarts=2",)),
+                cwd=tmp_path, env=probe_env(probes))
+    wait_for_steps(probes, 1, 0, 33, job)
+    os.kill(torchrun_worker(job.pid, local_rank=1), signal.SIGKILL)
+    killed_at = [steps_taken(probes, 0, 0)]
+    wait_for(lambda: torchrun_worker(job.pid, 0, restart=1) or job.poll() is not None, 120, "the restarted group")
+    wait_for_steps(probes, 0, 1, 150, job)  # into epoch 1: global step 170
+    worker = torchrun_worker(job.pid, local_rank=0, restart=1)
+    os.kill(worker, signal.SIGKILL)
+    out = finish(job, HANG_GUARD_S)
+    assert job.returncode == 0, out
+
+    resumes = [(int(e), int(p), int(s), int(w)) for e, p, s, w in RESUMED.findall(out)]
+    assert len(resumes) == 2, out
+    killed_at.append(resumes[0][2] + steps_taken(probes, 0, 1))
+    for (epoch, position, step, world_size), killed in zip(resumes, killed_at):
+        assert world_size == 2 and position == (step - 128 * epoch) * 32 and 0 < position < N, resumes
+        assert 0 <= killed - step <= EVERY, f"lost {killed - step} steps, more than {EVERY}"
+    assert [r[0] for r in resumes] == [0, 1], "resumed mid-epoch 0, then mid-epoch 1"
+    final = load_snapshot(tmp_path / "step_checkpoints.pt")
+    for key in ("model", "optimizer", "rng", "epochs_run", "position", "steps"):
+        assert_bitwise_equal(final[key], uninterrupted[key], key)
+
+
+def samples_of_interrupted_epoch(probes_before, probes_after, epoch, position, global_batch, world_before,
+                                 world_after):
+    """Every sample the final weights were trained on in the interrupted epoch: the steps before the snapshot's
+    position (the steps after it, lost to the stop, were trained again), then the resumed run's first pass."""
+    steps_before = position // global_batch
+    used = Counter()
+    for rank in range(world_before):
+        for batch in epoch_batches(probes_before, rank)[epoch][:steps_before]:
+            used.update(batch)
+    for rank in range(world_after):
+        for batch in epoch_batches(probes_after, rank)[0]:
+            used.update(batch)
+    return used
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (2, 3), (1, 2)])
+def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_once(tmp_path, uninterrupted, before,
+                                                                                   after):
+    """Stopped (SIGKILL) mid-epoch 1 at one world size, resumed at another with the same global batch of 32: every
+    sample of epoch 1 trained on once, and the final weights those of the uninterrupted 2-rank run but for the
+    order of float additions (measured: differences below 1e-6; allowed 1e-5)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=before),
+                cwd=tmp_path, env=probe_env(first))
+    wait_for_steps(first, 0, 0, 128 + 50, job)
+    for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(before)]:
+        os.kill(pid, signal.SIGKILL)
+    finish(job, 60)
+    saved = load_snapshot(tmp_path / "step_checkpoints.pt")
+    assert (saved["epochs_run"], saved["world_size"]) == (1, before) and 0 < saved["position"] < N, saved["position"]
+
+    out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=after), cwd=tmp_path,
+              env=probe_env(second), timeout=300).stdout
+    assert f"Resuming from step_checkpoints.pt at epoch 1, sample {saved['position']} of {N}" in out
+    used = samples_of_interrupted_epoch(first, second, 1, saved["position"], 32, before, after)
+    assert sorted(used) == list(range(N)) and set(used.values()) == {1}, "every sample of the epoch exactly once"
+    final = load_snapshot(tmp_path / "step_checkpoints.pt")
+    assert (final["epochs_run"], final["position"], final["steps"]) == (2, 0, 256)
+    for name, weight in uninterrupted["model"].items():
+        assert torch.allclose(final["model"][name], weight, rtol=0, atol=1e-5), (name, final["model"][name] - weight)
+
+
+def test_another_global_batch_goes_on_through_the_same_order(tmp_path):
+    """Resumed with another global batch: the order is the epoch's, not the batch's, so the rest of the epoch
+    goes on from the same sample, in steps of the new size, and every sample is still used once (the run is then
+    not the uninterrupted one's, and the script says so)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "16"), cwd=tmp_path,
+                env=probe_env(first))
+    wait_for_steps(first, 0, 0, 50, job)
+    for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(2)]:
+        os.kill(pid, signal.SIGKILL)
+    finish(job, 60)
+    saved = load_snapshot(tmp_path / "step_checkpoints.pt")
+    out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "48"), cwd=tmp_path,
+              env=probe_env(second), timeout=300).stdout
+    assert "Note: steps of 96 samples from here on, not 32" in out
+    used = samples_of_interrupted_epoch(first, second, 0, saved["position"], 32, 2, 2)
+    assert sorted(used) == list(range(N)) and set(used.values()) == {1}
+
+
+def test_bad_input_is_one_line_and_overwrites_nothing(tmp_path):
+    result = run(python_cmd(SCRIPT, "--save_every_steps", "0"), cwd=tmp_path, check=False, timeout=60)
+    assert_one_line_error(result, "argument --save_every_steps: must be a positive integer, got 0")
+    run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "256"), cwd=tmp_path, timeout=120)
+    path = tmp_path / "step_checkpoints.pt"
+    state = load_snapshot(path)
+    for key, value, said in (("dataset_size", 1000, "another dataset size (1000, here 4096)"),
+                             ("seed", 7, "another seed (7, here 0)")):
+        altered = {k: v for k, v in state.items() if k != "format"}
+        altered[key] = value
+        snapshot.save(altered, str(path))
+        before = path.read_bytes()
+        result = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "256"), cwd=tmp_path,
+                     check=False, timeout=120)
+        assert_one_line_error(result, f"step_checkpoints.pt was made with {said}", code=1)
+        assert path.read_bytes() == before and not epoch_lines(result.stdout)
+
+
+def test_progress_within_the_epoch_and_the_checkpoints_it_writes(tmp_path):
+    """Output to a pipe: a plain progress line every tenth of the epoch (steps done, samples/s, time left), and a
+    line for every step checkpoint written."""
+    out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "16"), cwd=tmp_path, timeout=120).stdout
+    progress = re.findall(r"^Epoch 0 \| step (\d+)/128 \| [\d.]+ samples/s \| \d+s left in the epoch$", out, re.M)
+    assert [int(step) for step in progress] == list(range(12, 128, 12)), out
+    saved = re.findall(r"^Epoch 0 \| step (\d+)/128 \| Snapshot saved at step_checkpoints.pt$", out, re.M)
+    assert [int(step) for step in saved] == [20, 40, 60, 80, 100, 120]
+    assert summary(out).steps == 128

@@ -13,9 +13,10 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import (assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish, load_snapshot,
-                      python_cmd, run, start, summary, torchrun_cmd)
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish,
+                      free_port, load_snapshot, python_cmd, run, start, summary, torchrun_cmd)
 from ddp_common import snapshot
+from test_elastic import ELASTIC, RDZV_CONF, release_when_stopped_by_torchrun
 from test_reliability import HANG_GUARD_S, torchrun_worker, wait_for
 
 SCRIPT = "by_feature/step_checkpoints.py"
@@ -32,9 +33,10 @@ def probe_env(directory):
 
 
 def events(directory, rank, restart=0):
-    """The probe's events of one rank in one restart round, in order (one process each)."""
+    """The probe's events of one rank in one restart round, in order (one process each; whole lines only, since
+    the process may be writing the last one)."""
     (path,) = directory.glob(f"rank{rank}-restart{restart}-*.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
 
 
 def steps_taken(directory, rank, restart=0):
@@ -185,3 +187,74 @@ def test_progress_within_the_epoch_and_the_checkpoints_it_writes(tmp_path):
     saved = re.findall(r"^Epoch 0 \| step (\d+)/128 \| Snapshot saved at step_checkpoints.pt$", out, re.M)
     assert [int(step) for step in saved] == [20, 40, 60, 80, 100, 120]
     assert summary(out).steps == 128
+
+
+def processes(directory):
+    """Every process the probe saw: (start time, rank, world size, its batches in order, its steps), by start."""
+    found = []
+    for path in directory.glob("rank*.jsonl"):
+        lines = [json.loads(line) for line in path.read_text().split("\n")[:-1]]  # whole lines: it may be writing
+        if not lines:
+            continue
+        head = lines[0]
+        found.append((head["start"], head["rank"], head["world_size"], [e["batch"] for e in lines if "batch" in e],
+                      sum("step" in e for e in lines)))
+    return sorted(found)
+
+
+EPOCHS = 6  # of the elastic run: long enough that node 0 alone is still training when node 2 joins
+
+
+def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_sample_once(tmp_path):
+    """torchrun --nnodes=1:2, one process a node, one folder for the snapshot (as a shared filesystem would be):
+    two nodes; node 1's agent killed mid-epoch (its worker goes with it), node 0 goes on alone from the last step
+    snapshot, mid-epoch; node 2 joins, and the two go on from where node 0 got to. Every restart loses at most N
+    steps, and every epoch's samples are each trained on once (counted from the probe)."""
+    probes, port = tmp_path / "probe", free_port()
+    probes.mkdir()
+    env = {**ELASTIC, "DDP_EXAMPLES_PROBE_SAMPLES": str(probes)}
+
+    def node(number):
+        return start([BIN / "torchrun", "--nnodes=1:2", "--nproc_per_node=1", "--max_restarts=3", "--rdzv_id=steps",
+                      "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                      f"--rdzv_conf={RDZV_CONF.replace('last_call_timeout=1', 'last_call_timeout=5')}",
+                      REPO / SCRIPT, *SMALL, "--epochs", str(EPOCHS), "--global_batch_size", "32", "--timeout", "30"],
+                     tmp_path, env)
+    first, second = node(0), node(1)
+    wait_for(lambda: len(processes(probes)) == 2 and all(p[2] == 2 for p in processes(probes))
+             or first.poll() is not None, 120, "both nodes in one group")
+    wait_for(lambda: processes(probes)[0][4] >= 128 + 15 or first.poll() is not None, 120, "mid-epoch 1")
+    worker = torchrun_worker(second.pid, 0, 0)
+    os.kill(second.pid, signal.SIGKILL)  # the node's agent; its worker dies with it
+    wait_for(lambda: torchrun_worker(first.pid, 0, restart=1) or first.poll() is not None, 120, "node 0 alone")
+    alone = torchrun_worker(first.pid, 0, restart=1)
+    wait_for(lambda: len(processes(probes)) == 3 or first.poll() is not None, 120, "node 0 alone training")
+    assert first.poll() is None, finish(first, 30)
+    (path,) = probes.glob("rank0-restart1-*.jsonl")
+    # Past its first step snapshot, then held (SIGSTOP, as a slow machine would be) while node 2 joins.
+    wait_for(lambda: path.read_text().count('"step"') >= EVERY + 5 or first.poll() is not None, 120, "steps alone")
+    os.kill(alone, signal.SIGSTOP)
+    third = node(2)
+    release_when_stopped_by_torchrun(alone)
+    outputs = [finish(first, HANG_GUARD_S), finish(third, HANG_GUARD_S)]
+    finish(second, 30)
+    assert [first.returncode, third.returncode] == [0, 0], outputs
+    assert worker and not os.path.exists(f"/proc/{worker}"), "node 1's worker died with its agent"
+
+    resumes = sorted((int(s), int(e), int(p), int(w)) for e, p, s, w in RESUMED.findall("".join(outputs)))
+    assert [w for *_, w in resumes] == [2, 1], f"resumed once at world size 1, once at 2: {resumes}"
+    rounds = [[p for p in processes(probes) if p[2] == 2][:2], [p for p in processes(probes) if p[2] == 1],
+              [p for p in processes(probes) if p[2] == 2][2:]]
+    assert [len(r) for r in rounds] == [2, 1, 2], rounds
+    starts = [0] + [step for step, *_ in resumes]
+    ends = [step for step, *_ in resumes] + [EPOCHS * 128]
+    assert 0 < resumes[0][2] < N, "node 0 went on alone mid-epoch"
+    for (step, epoch, position, _), previous in zip(resumes, rounds):
+        assert 0 <= max(p[4] for p in previous) + starts[rounds.index(previous)] - step <= EVERY, "lost more than N"
+    used = [Counter() for _ in range(EPOCHS)]
+    for start_step, end_step, group in zip(starts, ends, rounds):
+        for _, _, _, batches, _ in group:
+            for offset, batch in enumerate(batches[:end_step - start_step]):
+                used[(start_step + offset) // 128].update(batch)
+    for epoch, counts in enumerate(used):
+        assert sorted(counts) == list(range(N)) and set(counts.values()) == {1}, f"epoch {epoch}"

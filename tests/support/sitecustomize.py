@@ -16,7 +16,7 @@ On request, through the environment:
 - DDP_EXAMPLES_PROBE_FAKE_GPUS=N: torch reports N CUDA GPUs and NCCL, for the checks that run before any
   GPU is touched (more ranks than GPUs).
 - DDP_EXAMPLES_PROBE_SAMPLES=DIR: each process writes DIR/rank<R>-restart<C>-<pid>.jsonl, a line per event:
-  {"iter": N} when a DataLoader starts its N-th pass (an epoch, or what is left of one), {"batch": [indices]}
+  first {"start": time, "rank": R, "world_size": W}, then {"iter": N} when a DataLoader starts its N-th pass (an epoch, or what is left of one), {"batch": [indices]}
   for every batch a DataLoader fetches, {"step": N} after every optimizer step (N counted in this process), so
   that a test can count which samples each step trained on, and how many steps a killed process finished.
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
@@ -107,6 +107,10 @@ def event(record):
         name = (f"rank{os.environ.get('RANK', 0)}-restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}-"
                 f"{os.getpid()}.jsonl")
         _events = open(os.path.join(os.environ["DDP_EXAMPLES_PROBE_SAMPLES"], name), "a", buffering=1)
+        import json
+        import time
+        _events.write(json.dumps({"start": time.time(), "rank": int(os.environ.get("RANK", 0)),
+                                  "world_size": int(os.environ.get("WORLD_SIZE", 1))}) + "\n")
     import json
     _events.write(json.dumps(record) + "\n")
 

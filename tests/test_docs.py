@@ -1,0 +1,235 @@
+"""The documentation cannot rot: every shell command in README.md and docs/ names scripts that exist and flags
+their parsers (or the launcher's) accept; each page's main command (its ```bash run block) runs as written, at a
+small size; every relative link, and every #anchor in it, resolves.
+
+A ```bash run block runs in a fresh copy of the repository, with this environment's python, torchrun and mpirun
+on PATH. "At a small size": epoch counts above 2 become 2 (--total_epochs, --epochs, --num_train_epochs and the
+tutorial's positional TOTAL_EPOCHS SAVE_EVERY), train.py trains on 256 images; a leading `pip install ... &&`
+is left out (the environment is installed) and so are pytest commands (this is the test suite).
+"""
+import functools
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, mpi_env, run
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.M | re.S)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+FLAG = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_-]*")
+LAUNCHER_FLAGS_WITH_VALUES = {"-np", "-n", "-H", "-x", "--host", "--map-by", "--bind-to", "-N"}
+
+
+def page_id(path):
+    return str(path.relative_to(REPO))
+
+
+def blocks(path, info=None):
+    """(info string, text) of the page's fenced blocks whose info string starts with `info` (all if None)."""
+    found = [(match[1].strip(), match[2]) for match in FENCE.finditer(path.read_text())]
+    return [(i, text) for i, text in found if info is None or i.split()[:1] == [info]]
+
+
+def commands(text):
+    """The commands of a shell block: comments dropped, continuations joined, split at && ; and |."""
+    lines, pending = [], ""
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        lines.append(pending + line)
+        pending = ""
+    found = []
+    for line in lines:
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:
+            tokens = line.split("#")[0].split()
+        current = []
+        for token in tokens:
+            if token in ("&&", ";", "|", "||"):
+                found.append(current)
+                current = []
+            else:
+                current.append(token)
+        found.append(current)
+    return [c for c in found if c]
+
+
+def program_and_script(tokens):
+    """(program, script, arguments of the script, launcher flags) of a command that runs a repository script;
+    None for other commands (pip, cp, kubectl, ...)."""
+    tokens = [t for t in tokens if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", t)]  # VAR=value prefixes
+    while tokens and tokens[0] in ("env", "exec", "time"):
+        tokens = tokens[1:]
+    if not tokens:
+        return None
+    program = Path(tokens[0]).name
+    scripts = [i for i, t in enumerate(tokens) if t.endswith(".py")]
+    if program not in ("python", "python3", "torchrun", "mpirun", "srun") or not scripts:
+        return None
+    i = scripts[0]
+    if program in ("python", "python3") and i != 1:
+        return None  # python -m something
+    return program, tokens[i], tokens[i + 1:], tokens[1:i]
+
+
+@functools.lru_cache(maxsize=None)
+def accepted_flags(program):
+    """The flags a script or torchrun accepts, from its own --help."""
+    command = [BIN / "torchrun"] if program == "torchrun" else [sys.executable, REPO / program]
+    text = run([*command, "--help"], cwd=REPO, timeout=120).stdout
+    return set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", text))
+
+
+def shell_commands():
+    found = []
+    for page in PAGES:
+        for info, text in blocks(page, "bash"):
+            for tokens in commands(text):
+                parsed = program_and_script(tokens)
+                if parsed:
+                    found.append(pytest.param(page, *parsed, id=f"{page_id(page)}:{' '.join(tokens)[:60]}"))
+    return found
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("page, program, script, arguments, launcher_flags", shell_commands())
+def test_every_documented_command_names_a_script_and_flags_that_exist(page, program, script, arguments,
+                                                                       launcher_flags):
+    assert (REPO / script).is_file(), f"{page_id(page)} names {script}, which does not exist"
+    flags = accepted_flags(script)
+    for argument in arguments:
+        if (match := FLAG.match(argument)) and argument not in ("--help",):
+            assert match[0] in flags, f"{page_id(page)}: {script} has no flag {match[0]}"
+    if program == "torchrun":
+        for argument in launcher_flags:
+            if match := FLAG.match(argument):
+                assert match[0] in accepted_flags("torchrun"), f"{page_id(page)}: torchrun has no flag {match[0]}"
+
+
+def test_every_page_has_a_shell_command_and_its_main_one_is_marked():
+    for page in PAGES:
+        if page.name == "README.md" or "kubernetes" in page.name:
+            continue
+        runnable = blocks(page, "bash")
+        assert runnable, f"{page_id(page)} shows no command"
+        assert len([i for i, _ in runnable if "run" in i.split()[1:]]) == 1, \
+            f"{page_id(page)}: mark its main command block, and only that one, with ```bash run"
+
+
+def github_anchor(heading):
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(path):
+    text = FENCE.sub("", path.read_text())  # a "#" line in a code block is a comment, not a heading
+    return {github_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+
+
+def links():
+    found = []
+    for page in PAGES:
+        text = FENCE.sub("", page.read_text())  # links inside code blocks are not links
+        for match in LINK.finditer(text):
+            target = match[1] or match[2]
+            if not re.match(r"[a-z]+://|mailto:", target):
+                found.append(pytest.param(page, target, id=f"{page_id(page)}:{target}"))
+    return found
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("page, target", links())
+def test_every_relative_link_resolves(page, target):
+    path, _, anchor = target.partition("#")
+    resolved = (page.parent / path).resolve() if path else page
+    assert resolved.exists(), f"{page_id(page)} links to {target}, which does not exist"
+    if anchor and resolved.suffix == ".md":
+        assert anchor in anchors(resolved), f"{page_id(page)} links to #{anchor}, not a heading of {resolved.name}"
+
+
+def smaller(tokens):
+    """The same command at a small size (see the module's docstring)."""
+    out, i = [], 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token in ("--total_epochs", "--epochs", "--num_train_epochs") and i + 1 < len(tokens):
+            out += [token, str(min(2, float(tokens[i + 1])) if "." in tokens[i + 1] else min(2, int(tokens[i + 1])))]
+            i += 2
+            continue
+        if re.fullmatch(r"--(total_epochs|epochs|num_train_epochs)=\d+", token):
+            name, value = token.split("=")
+            out.append(f"{name}={min(2, int(value))}")
+            i += 1
+            continue
+        out.append(token)
+        if token.endswith(("singlegpu.py", "multigpu.py", "multigpu_torchrun.py", "multinode.py", "fsdp.py")):
+            rest = tokens[i + 1:i + 3]
+            if len(rest) == 2 and all(t.isdigit() for t in rest):
+                out += ["2", "1"]
+                i += 2
+        if token.endswith("train.py") and "--max_train_samples" not in tokens:
+            out += ["--max_train_samples", "256", "--max_eval_samples", "128"]
+        i += 1
+    return out
+
+
+def runnable_commands(text):
+    found = []
+    for tokens in commands(text):
+        if tokens[:2] == ["pip", "install"] or "pytest" in tokens:
+            continue
+        tokens = [str(BIN / Path(t).name) if t.startswith(".venv/bin/") else t for t in tokens]
+        found.append(smaller(tokens))
+    return found
+
+
+def run_blocks():
+    return [pytest.param(page, text, id=page_id(page)) for page in PAGES for info, text in blocks(page, "bash")
+            if "run" in info.split()[1:]]
+
+
+@pytest.fixture
+def repository_copy(tmp_path):
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "*.pt",
+                                                            "results"))
+    return copy
+
+
+@pytest.mark.parametrize("page, text", run_blocks())
+def test_each_pages_main_command_runs_as_written(page, text, repository_copy):
+    env = mpi_env()
+    env["PATH"] = f"{BIN}:{env['PATH']}"
+    env["HF_HUB_OFFLINE"] = "1"
+    for tokens in runnable_commands(text):
+        command = " ".join(shlex.quote(t) for t in tokens)
+        result = run(["bash", "-c", command], cwd=repository_copy, env=env, timeout=600, check=False)
+        assert result.returncode == 0, f"{page_id(page)}: `{command}` exited {result.returncode}\n" \
+                                       f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+
+
+def test_the_readme_is_short_and_starts_with_the_quick_start():
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) <= 15_500, "README.md: at most about 15,000 bytes; the rest belongs in docs/"
+    first = next(i for i, line in enumerate(text.splitlines()) if "torchrun" in line and "multigpu_torchrun.py" in line)
+    assert first < 15, "the first command within the first 15 lines"
+
+
+def test_no_page_is_longer_than_about_200_lines():
+    for page in PAGES[1:]:
+        assert len(page.read_text().splitlines()) <= 220, f"{page_id(page)}: one topic, at most about 200 lines"
+
+
+def test_docs_hold_no_commit_hashes():
+    for page in PAGES:
+        for match in re.finditer(r"\b[0-9a-f]{7,40}\b", FENCE.sub("", page.read_text())):
+            word = match[0]
+            assert not (re.search(r"[a-f]", word) and re.search(r"\d", word)), f"{page_id(page)}: {word}"

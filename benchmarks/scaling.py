@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import tempfile
 import time
 from pathlib import Path
@@ -360,7 +361,7 @@ def plot(rows, path, title):
     plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for model_name in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model_name and r["setting"] == "ddp"]
+        mine = [r for r in rows if r["model"] == model_name and r.get("setting", "ddp") == "ddp"]
         sizes = [r["world_size"] for r in mine]
         line, = ax.plot(sizes, [r["ddp_samples_per_s"] for r in mine], "o-", label=f"{model_name} ddp")
         ax.plot(sizes, [r["independent_samples_per_s"] for r in mine], "s:", color=line.get_color(),
@@ -371,37 +372,63 @@ def plot(rows, path, title):
     save_plot(plt, fig, ax, path, title)
 
 
-def save_plot(plt, fig, ax, path, title):
-    """Throughput on the y axis, the title, a grid and the legend; written to path."""
+def save_plot(plt, fig, ax, path, title, legend_outside=False):
+    """Throughput on the y axis, the title (wrapped: it names the machine), a grid and the legend; to path."""
     ax.set_ylabel("samples/s (all ranks)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 100), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if legend_outside:  # one entry a point: beside the axes, where no label can cover a point or another label
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+MARKERS = "osD^v<>P*X"
+
+
 def plot_settings(rows, path, title):
-    """Throughput against the bytes each rank hands to all-reduce per step, one point per setting and world
-    size, with the ceiling of each world size."""
+    """Throughput against the bytes each rank hands to all-reduce per step: a colour per world size, a marker per
+    setting, each point named in the legend with its held-out accuracy; the ceiling of each world size dotted."""
     plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for n in sorted({r["world_size"] for r in rows}):
+    fig, ax = plt.subplots(figsize=(11, 5))
+    names = list(dict.fromkeys(r["setting"] for r in rows))
+    for index, n in enumerate(sorted({r["world_size"] for r in rows})):
         mine = [r for r in rows if r["world_size"] == n and r["model"] == "cnn"] or \
             [r for r in rows if r["world_size"] == n]
-        points = ax.scatter([r["bytes_per_step"] + r["broadcast_bytes_per_step"] for r in mine],
-                            [r["ddp_samples_per_s"] for r in mine], label=f"{n} rank(s)")
-        ax.axhline(mine[0]["independent_samples_per_s"], linestyle=":", color=points.get_facecolor()[0],
-                   label=f"{n} rank(s): independent processes (ceiling)")
+        ceiling = ax.axhline(mine[0]["independent_samples_per_s"], linestyle=":", color=f"C{index}",
+                             label=f"{n} rank(s): independent processes (ceiling)")
         for r in mine:
-            accuracy = "" if r["accuracy"] is None else f", {100 * r['accuracy']:.2f}%"
-            ax.annotate(f"{r['setting']}{accuracy}", (r["bytes_per_step"] + r["broadcast_bytes_per_step"],
-                                                      r["ddp_samples_per_s"]), fontsize=7, xytext=(4, 4),
-                        textcoords="offset points")
+            accuracy = "" if r["accuracy"] is None else f", {100 * r['accuracy']:.2f}% held-out"
+            ax.scatter(r["bytes_per_step"] + r["broadcast_bytes_per_step"], r["ddp_samples_per_s"],
+                       color=ceiling.get_color(), marker=MARKERS[names.index(r["setting"]) % len(MARKERS)],
+                       alpha=0.7, s=50,
+                       label=f"{n} rank(s): {r['setting']}{accuracy}")
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per step and rank (all-reduce, + broadcast for ZeRO)")
-    save_plot(plt, fig, ax, path, title)
+    save_plot(plt, fig, ax, path, title, legend_outside=True)
+
+
+def plot_titles(result):
+    """The titles of scaling.png and scaling-comm.png, from the result they plot."""
+    machine, cores = result["machine"], result["machine"]["cpu_cores"]
+    main_title = (f"DDP throughput vs independent processes, {result['backend']}, {result['threads_per_rank']} "
+                  f"thread/rank | {machine['hostname']}: {machine['cpu_model']}, {cores} cores | torch {result['torch']}")
+    load = ", ".join(f"{x:.1f}" for x in machine.get("load_average_after") or machine["load_average_1_5_15min"])
+    comm_title = (f"DDP throughput against bytes per step, {result['backend']}, {result['threads_per_rank']} "
+                  f"thread/rank, accuracy after {result.get('accuracy_steps')} steps | {machine['hostname']}, "
+                  f"{cores} cores | load {load}")
+    return main_title, comm_title
+
+
+def plot_result(result, out):
+    """scaling.png, and scaling-comm.png where several DDP settings were measured, into `out`."""
+    main_title, comm_title = plot_titles(result)
+    plot(result["results"], out / "scaling.png", main_title)
+    if len({r.get("setting", "ddp") for r in result["results"]}) > 1:
+        plot_settings(result["results"], out / "scaling-comm.png", comm_title)
 
 
 def run_profile(args):
@@ -425,6 +452,10 @@ def run_profile(args):
 
 
 def main(args):
+    if args.replot:  # the plots again, from a result written earlier: nothing is measured
+        plot_result(json.loads((args.replot / "scaling.json").read_text()), args.replot)
+        print(f"Wrote the plots to {args.replot}")
+        return
     for hook in args.comm_hook:
         comm_hooks.check(hook, args.powersgd_warmup)
     if args.accuracy_steps is None:  # accuracy when settings are compared
@@ -465,16 +496,8 @@ def main(args):
               "powersgd": {"rank": args.powersgd_rank, "warmup": args.powersgd_warmup},
               "accuracy_steps": args.accuracy_steps, "accuracy_lr": ACCURACY_LR, "targets": verdicts, "results": rows}
     print(f"Wrote {report.write_json(args.out / 'scaling.json', result)}")
-    plot(rows, args.out / "scaling.png",
-         f"DDP throughput vs independent processes, {backend}, {args.threads} thread/rank | "
-         f"{machine['hostname']}: {machine['cpu_model']}, {cores} cores | torch {torch.__version__}")
-    print(f"Wrote {args.out / 'scaling.png'}")
-    if len(settings(args)) > 1:
-        plot_settings(rows, args.out / "scaling-comm.png",
-                      f"DDP throughput against bytes per step, {backend}, {args.threads} thread/rank, accuracy after "
-                      f"{args.accuracy_steps} steps | {machine['hostname']}, {cores} cores | load "
-                      f"{', '.join(f'{x:.1f}' for x in machine['load_average_after'])}")
-        print(f"Wrote {args.out / 'scaling-comm.png'}")
+    plot_result(result, args.out)
+    print(f"Wrote the plots to {args.out}")
 
 
 if __name__ == "__main__":
@@ -501,4 +524,6 @@ if __name__ == "__main__":
                         help="folder with MNIST's t10k-images/labels-idx files, split 8,000 / 2,000 (default: the "
                              "tests' copy)")
     cli.add_distributed_args(parser)
+    parser.add_argument("--replot", type=Path, metavar="DIR",
+                        help="only draw the plots again from DIR/scaling.json, into DIR")
     cli.run(main, parser)

@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
-from conftest import (BIN, REPO, assert_same_training_state, clean_env, finish, free_port, load_snapshot, mpi_env,
-                      mpirun_cmd, python_cmd, run, start, summary, torchrun_cmd)
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_same_training_state, clean_env, finish, free_port,
+                      load_snapshot, mpi_env, mpirun_cmd, python_cmd, run, start, summary, torchrun_cmd)
 
 FLAGS = ("--save_every", "2", "--batch_size", "16")
 EPOCHS = "16"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
@@ -316,13 +317,17 @@ def test_mpirun_stops_every_rank_when_one_is_killed(tmp_path):
     assert load_snapshot(tmp_path / "run_with_mpirun.pt")["epochs_run"] >= 1
 
 
-def test_train_py_restarted_by_torchrun_resumes_from_its_newest_checkpoint(tmp_path, mnist_dir):
+def test_train_py_restarted_by_torchrun_resumes_mid_epoch_from_its_newest_checkpoint_bitwise(tmp_path, mnist_dir):
+    """The Trainer's own checkpoints every 3 steps (--save_strategy steps), so the kill lands mid-epoch: the
+    restarted group goes on from the newest checkpoint, skipping the batches of the epoch it had done, and ends
+    with the weights of a run that was never killed, to the bit."""
+    flags = ("--data_dir", mnist_dir, "--max_train_samples", "512", "--max_eval_samples", "64", "--num_train_epochs",
+             "3", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no", "--disable_tqdm", "True")
+    run(torchrun_cmd("train.py", *flags, "--output_dir", tmp_path / "straight"), cwd=tmp_path, timeout=HANG_GUARD_S)
     out_dir = tmp_path / "out"
-    job = start(torchrun_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", out_dir, "--max_train_samples",
-                             "512", "--max_eval_samples", "256", "--num_train_epochs", "6", "--disable_tqdm",
-                             "True", extra=("--max_restarts=2",)), cwd=tmp_path)
-    wait_for(lambda: (out_dir / "checkpoint-4" / "trainer_state.json").exists() or job.poll() is not None, 300,
-             "the first checkpoint")
+    job = start(torchrun_cmd("train.py", *flags, "--output_dir", out_dir, extra=("--max_restarts=2",)), cwd=tmp_path)
+    wait_for(lambda: (out_dir / "checkpoint-6" / "trainer_state.json").exists() or job.poll() is not None, 300,
+             "a checkpoint in the middle of epoch 1")
     victim = torchrun_worker(job.pid, local_rank=1)
     assert victim, "rank 1 should still be training"
     os.kill(victim, signal.SIGKILL)
@@ -335,5 +340,7 @@ def test_train_py_restarted_by_torchrun_resumes_from_its_newest_checkpoint(tmp_p
     resumed = re.search(r"resuming from \S*/checkpoint-(\d+)", out)
     assert resumed and int(resumed[1]) == max(complete), (complete, out[-2000:])
     # 512 images, 2 ranks of 64: 4 steps an epoch. The restarted group ran what was left after that checkpoint.
-    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 24
-    assert summary(out).steps == 24 - max(complete), out[-2000:]
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 12
+    assert summary(out).steps == 12 - max(complete), out[-2000:]
+    straight, resumed_model = (load_file(d / "model.safetensors") for d in (tmp_path / "straight", out_dir))
+    assert_bitwise_equal(resumed_model, straight, "the killed run's model against the uninterrupted one's")

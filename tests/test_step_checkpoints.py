@@ -7,6 +7,7 @@ fetched and every optimizer step it took.
 import json
 import os
 import re
+import shutil
 import signal
 from collections import Counter
 
@@ -258,3 +259,27 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
                 used[(start_step + offset) // 128].update(batch)
     for epoch, counts in enumerate(used):
         assert sorted(counts) == list(range(N)) and set(counts.values()) == {1}, f"epoch {epoch}"
+
+
+def test_the_trainer_resumes_mid_epoch_at_another_world_size_with_every_sample_once(tmp_path, mnist_dir):
+    """train.py: the Hugging Face Trainer's own checkpoints every 3 steps; 2 ranks of 64 killed after checkpoint-3,
+    resumed at 1 rank of 128 (the same global batch). accelerate shards one global order of batches among the
+    ranks, and the Trainer skips the steps the checkpoint counts: every image of the interrupted epoch trained on
+    once, as with step_checkpoints.py. (With another global batch it would skip the wrong number of images: the
+    Trainer counts steps, not samples; docs/features/step_checkpoints.md.)"""
+    first, second = tmp_path / "first", tmp_path / "second"
+    flags = ("--data_dir", mnist_dir, "--output_dir", tmp_path / "out", "--max_train_samples", "1024",
+             "--max_eval_samples", "64", "--num_train_epochs", "2", "--save_strategy", "steps", "--save_steps", "3",
+             "--eval_strategy", "no", "--disable_tqdm", "True")
+    job = start(torchrun_cmd("train.py", *flags), cwd=tmp_path, env=probe_env(first))
+    wait_for(lambda: (tmp_path / "out" / "checkpoint-3" / "trainer_state.json").exists() or job.poll() is not None,
+             300, "checkpoint-3")
+    for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(2)]:
+        os.kill(pid, signal.SIGKILL)
+    finish(job, 60)
+    shutil.rmtree(tmp_path / "out" / "checkpoint-6", ignore_errors=True)  # a step or two more, before the kill
+    out = run(torchrun_cmd("train.py", *flags, "--per_device_train_batch_size", "128", "--resume_from_checkpoint",
+                           "last", nproc=1), cwd=tmp_path, env=probe_env(second), timeout=300).stdout
+    assert "resuming from" in out and "checkpoint-3" in out, out[-2000:]
+    used = samples_of_interrupted_epoch(first, second, 0, 3 * 128, 128, 2, 1)
+    assert sorted(used) == list(range(1024)) and set(used.values()) == {1}, "every image of the epoch once"

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_common import launchers, snapshot
+from ddp_common import hangs, launchers, snapshot
 from ddp_common.devices import BACKENDS
 from ddp_common.errors import CheckFailed, PeerLostError, UsageError, one_line
 
@@ -198,9 +198,11 @@ def run(main, parser=None):
         if misfit(error):
             exit_now(2, f"error: a snapshot does not fit this model or optimizer ({one_line(error)}); it belongs to "
                         "another model or other flags: move it away or pass another --snapshot_path")
-        if isinstance(error, dist.DistError) or is_transport_error(error):
-            exit_now(1, f"error: lost contact with the other ranks ({one_line(error)}); "
-                        f"{launchers.after_lost_peers()}")
+        if hangs.is_mismatch(error):  # TORCH_DISTRIBUTED_DEBUG=DETAIL: another collective or shape, both sides
+            exit_now(1, f"error: {hangs.mismatch_line(error)}")
+        if isinstance(error, dist.DistError) or is_transport_error(error) or hangs.recognizes(error):
+            # Which rank, which collective, where to look: asked of the other ranks (docs/hangs.md).
+            exit_now(1, f"error: {hangs.explain(error)}; {launchers.after_lost_peers()}")
         bug()
     except KeyboardInterrupt:
         exit_now(130, "error: interrupted")

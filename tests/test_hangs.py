@@ -6,6 +6,7 @@ hangs.py breaks its rank itself (--fault); the training scripts are broken from 
 real script with runpy and deadlocks, kills or miscalls on one rank after a chosen optimizer step (torchrun,
 mpirun), or a real SIGSTOP of one process (mp.spawn, whose children the wrapper would not reach).
 """
+import json
 import os
 import signal
 import subprocess
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, REPO, check_no_abort, clean_env, kill_launched, mpi_env, mpirun_cmd, python_cmd, start,
-                      torchrun_cmd)
+from conftest import (BIN, REPO, check_no_abort, clean_env, kill_launched, mpi_env, mpirun_cmd, python_cmd, run,
+                      start, torchrun_cmd)
 from ddp_common import hangs
 
 TIMEOUT = 8  # --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
@@ -343,3 +344,17 @@ def test_the_line_names_the_odd_rank_out_and_the_silent_ones():
     assert "this rank (1) is the one that stopped: it spent 12s in its own code" in hangs.compose(late, {1: late}, 2)
     lost = hangs.compose(entry(1, cause="closed"), {}, 2, store_lost=True)
     assert "rank 0, which hosts it, is gone" in lost, lost
+
+
+def test_the_cost_benchmark_runs_and_writes_its_figures(tmp_path):
+    """benchmarks/hang_diagnosis.py at a smoke-test size: the three settings side by side, one JSON."""
+    out = run(python_cmd("benchmarks/hang_diagnosis.py", "--repeats", "1", "--steps", "20", "--warmup", "2",
+                         "--collectives", "40", "--out", tmp_path), cwd=tmp_path, timeout=HANG_GUARD_S).stdout
+    assert "Flight recorder cost" in out, out[-2000:]
+    data = json.loads((tmp_path / "hang_diagnosis.json").read_text())
+    assert data["machine"]["cpu_cores"] >= 1 and data["torch"] and data["world_size"] == 2
+    assert len(data["results"]) == 3
+    for figures in data["results"].values():
+        assert all(figures[f"{name}_median"] > 0 for name in ("step_us", "all_reduce_us", "step_cpu_us",
+                                                              "all_reduce_cpu_us"))
+    assert set(data["flight_recorder_cost"]) >= {"step_cpu_us", "all_reduce_cpu_us", "step_us", "all_reduce_us"}

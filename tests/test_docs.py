@@ -192,8 +192,10 @@ def runnable_commands(text):
 
 
 def run_blocks():
-    return [pytest.param(page, text, id=page_id(page)) for page in PAGES for info, text in blocks(page, "bash")
-            if "run" in info.split()[1:]]
+    """(page, text, whether it is meant to fail) of every ```bash run block (```bash run fails: a command that
+    shows a one-line error)."""
+    return [pytest.param(page, text, "fails" in info.split(), id=page_id(page)) for page in PAGES
+            for info, text in blocks(page, "bash") if "run" in info.split()[1:]]
 
 
 @pytest.fixture
@@ -204,14 +206,18 @@ def repository_copy(tmp_path):
     return copy
 
 
-@pytest.mark.parametrize("page, text", run_blocks())
-def test_each_pages_main_command_runs_as_written(page, text, repository_copy):
+@pytest.mark.parametrize("page, text, fails", run_blocks())
+def test_each_pages_main_command_runs_as_written(page, text, fails, repository_copy):
     env = mpi_env()
     env["PATH"] = f"{BIN}:{env['PATH']}"
     env["HF_HUB_OFFLINE"] = "1"
     for tokens in runnable_commands(text):
         command = " ".join(shlex.quote(t) for t in tokens)
         result = run(["bash", "-c", command], cwd=repository_copy, env=env, timeout=600, check=False)
+        if fails:  # the error the page shows: one line, a non-zero exit
+            assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert "error:" in result.stderr
+            continue
         assert result.returncode == 0, f"{page_id(page)}: `{command}` exited {result.returncode}\n" \
                                        f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
 

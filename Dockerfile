@@ -7,6 +7,14 @@
 #     docker run --rm ddp-examples:latest                                        # no GPU: 2 CPU processes, gloo
 #     docker run --rm ddp-examples:latest mpirun -np 2 python run_with_mpirun.py --train
 #
+# The image's torch is the base's CUDA build (2.13.0+cuXYZ, with its CUDA libraries), GPUs or not.
+# With GPUs (--gpus all, a driver that supports the base's CUDA): NCCL, one process per GPU, on
+# NPROC_PER_NODE of them. Without GPUs (no --gpus, or a machine that has none) the same image trains on
+# the CPU with gloo, NPROC_PER_NODE processes: the scripts ask
+# torch.accelerator.current_accelerator(check_available=True), which finds no GPU there, whereas
+# current_accelerator() alone names cuda in a CUDA build even without one. tests/test_container.py runs
+# the default command this way, without GPUs, with the CUDA build when pytest runs in a venv that has it.
+#
 # Assumption: the official image of the pinned torch (requirements.txt: torch==2.13.0) follows the
 # pytorch/pytorch tag scheme <torch>-cuda<X.Y>-cudnn<N>-runtime; pick the CUDA variant your driver
 # supports from https://hub.docker.com/r/pytorch/pytorch/tags and pass it as --build-arg BASE_IMAGE=...

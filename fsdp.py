@@ -8,7 +8,8 @@
 
 A checkpoint is a directory of shards (fsdp_checkpoints/epoch_000010/); a run resumes from the newest complete one,
 at the same or at another world size, mid-epoch too: each epoch has one order of the whole dataset, and the
-checkpoint holds how far into it training is, which means the same at any world size (docs/fsdp.md). Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py`.
+checkpoint holds how far into it training is, which means the same at any world size (docs/fsdp.md).
+Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py`.
 """
 import os
 import time
@@ -164,7 +165,7 @@ def main(args):
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
     threads = share_cores(device)  # nodes on one machine share its cores (torchrun sets no threads for 1 process)
     if rank == 0:
-        print(f"Training on {world_size} processes | device {device.type} | backend {backend}"
+        print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}"
               + (f" | {threads}" if threads else ""))
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,))  # one dimension: shard over all ranks
     dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp)

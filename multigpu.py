@@ -119,7 +119,7 @@ def main(rank, world_size, args, port):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=args.timeout, device_id=device if accelerator else None)
     if rank == 0:
-        print(f"Training on {world_size} processes | device {device.type} | backend {backend}")
+        print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     dataset, model, optimizer = load_train_objs(args.seed)
     # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
     train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))

@@ -121,7 +121,7 @@ def main(args):
     dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
     if rank == 0:
-        print(f"Training on {world_size} processes | device {device.type} | backend {backend}")
+        print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     dataset, model, optimizer = load_train_objs(args.seed)
     # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
     train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))

@@ -56,7 +56,7 @@ class Trainer:
         if min(epochs) < max(epochs):
             self.log(f"Newest snapshot: {held[source][3]} of rank {source}, sent to every rank (the ranks held "
                      f"{min(epochs)} to {max(epochs)} epochs)")
-        if box[0] and box[0]["world_size"] != dist.get_world_size():
+        if box[0] and box[0].get("world_size", dist.get_world_size()) != dist.get_world_size():
             self.log(f"World size {box[0]['world_size']} -> {dist.get_world_size()} at epoch {max(epochs)}")
         return box[0]
 
@@ -143,7 +143,7 @@ def main(args):
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
     threads = share_cores(device)  # nodes on one machine share its cores (torchrun sets no threads for 1 process)
     if rank == 0:
-        print(f"Training on {world_size} processes | device {device.type} | backend {backend}"
+        print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}"
               + (f" | {threads}" if threads else ""))
     dataset, model, optimizer = load_train_objs(args.seed)
     # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.

@@ -60,7 +60,8 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
-        self.scaler.load_state_dict(state["scaler"])  # fp16's current loss scale
+        if state.get("scaler"):  # fp16's current loss scale (a snapshot of the base has none)
+            self.scaler.load_state_dict(state["scaler"])
         self.epochs_run = state["epochs_run"]
         self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
 

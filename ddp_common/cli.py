@@ -164,6 +164,10 @@ def run(main, parser=None):
     main returns. What it does besides:
 
     - Under a launcher, it ties this process's life to the launcher's (launchers.die_with_launcher).
+    - Under TORCH_DISTRIBUTED_DEBUG=DETAIL only, it has DDP skip its construction logging, which crashes torch
+      2.13 with gloo there (hangs.work_around_detail_crash).
+    - A lost peer or a timed-out collective becomes one line that names the collective and the rank that did not
+      arrive, asked of the other ranks (ddp_common/hangs.py, docs/hangs.md).
     - An error the user can act on becomes one line on stderr and an exit code: 2 for usage (a flag, a file, the
       launcher, a snapshot that does not fit the model), 1 for lost peers or a failed check, 130 when
       interrupted. Anything else is a bug and keeps its traceback.
@@ -175,6 +179,7 @@ def run(main, parser=None):
       may still have collectives in flight, and tearing the process group down then can hang or abort the
       process (docs/failures.md: clean exits). Snapshots are written atomically, so nothing finished is lost."""
     launchers.die_with_launcher()
+    hangs.work_around_detail_crash()
     try:
         return main(parser.parse_args()) if parser is not None else main()
     except UsageError as error:

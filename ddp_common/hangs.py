@@ -23,8 +23,8 @@ the line says so instead of waiting longer.
 With TORCH_DISTRIBUTED_DEBUG=DETAIL torch checks before every collective that all ranks call the same one with
 the same shapes, and raises on every rank, naming both sides; mismatch_line() turns that into one line. torch
 2.13's DDP crashes (SIGSEGV) in its constructor under DETAIL with gloo: its construction logging casts the gloo
-backend, which DETAIL has wrapped, to the gloo class. Importing this module under DETAIL skips that logging
-call (_skip_ddp_construction_log), and only that one.
+backend, which DETAIL has wrapped, to the gloo class. work_around_detail_crash(), which cli.run calls, skips that
+logging call, and only that one.
 """
 import json
 import os
@@ -487,9 +487,12 @@ def mismatch_line(error):
     return line + f"; see {DOCS}"
 
 
-def _skip_ddp_construction_log():
-    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, have DDP skip its construction logging, which crashes torch 2.13
-    with gloo (see the module's docstring); DDP's runtime logging and everything else stay as they are."""
+def work_around_detail_crash():
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL (and only then), have DDP skip its construction logging, which crashes
+    torch 2.13 with gloo (see the module's docstring); DDP's runtime logging and everything else stay as they are.
+    cli.run calls this at start; without DETAIL it changes nothing."""
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL" or not dist.is_available():
+        return
     if getattr(dist.Logger, "_ddp_examples_skips_construction_log", False):
         return
 
@@ -500,7 +503,3 @@ def _skip_ddp_construction_log():
             pass
 
     dist.Logger = Logger
-
-
-if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" and dist.is_available():
-    _skip_ddp_construction_log()

@@ -53,8 +53,12 @@ def local_rank():
 
 def job_id():
     """What the processes of one job share and another job's do not: torchrun's run id (its --rdzv_id, a fresh
-    one for each --standalone run), or mpirun's job namespace; None without a launcher that names its jobs."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("PMIX_NAMESPACE") or None
+    one for each --standalone run; not its default, "none"), or mpirun's job namespace; None where nothing names
+    the job."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id == "none":  # torchrun's default --rdzv_id when none is given (and not --standalone): names nothing
+        run_id = None
+    return run_id or os.environ.get("PMIX_NAMESPACE") or None
 
 
 def die_with_launcher():

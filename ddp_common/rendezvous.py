@@ -2,6 +2,7 @@
 process group's own under torchrun, so that a restarted group never reads its dead predecessor's addresses."""
 import os
 import socket
+import sys
 import time
 import uuid
 from datetime import timedelta
@@ -9,6 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddp_common.errors import PeerLostError, UsageError
+from ddp_common.launchers import check_elastic_launch
 
 
 def free_port(host="127.0.0.1"):
@@ -57,9 +59,13 @@ def group_store(rank, world_size, timeout):
     address with a random token in torchrun's store. A stale post is told apart by itself: the previous
     group's rank 0 is dead, so nothing answers at its address, or another store does, with another token.
 
-    In an elastic job (torchrun --nnodes=MIN:MAX) the shared store hangs a node that joins later, before any
-    worker runs; multinode.py checks for that first (launchers.check_elastic_launch).
+    The one case torchrun's shared store cannot serve: an elastic job (torchrun --nnodes=MIN:MAX), where it hangs a
+    node that joins later before any worker runs. So the first workers stop at once, with the fix, here
+    (launchers.check_elastic_launch); rank 0 also warns on stderr of an elastic job without --max_restarts.
     """
+    warning = check_elastic_launch(rank)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     # Not under torchrun, or under it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store each time.
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -313,7 +313,7 @@ def test_default_command_is_the_quick_start_on_two_cpu_processes(podman, image):
     assert (trained.epochs, trained.steps, trained.world_size, trained.backend) == (20, 640, 2, "gloo"), out[-3000:]
     losses = epoch_losses(out)
     assert len(losses) == 20 and losses[-1] < losses[0] / 10, losses
-    assert "Epoch 19 | Snapshot saved at snapshot.pt" in out
+    assert "Epoch 19 | Snapshot saved at multigpu_torchrun.pt" in out
 
 
 def test_mpirun_trains_inside_the_image(podman, image):

@@ -83,11 +83,14 @@ def group_store(rank, world_size, timeout):
     while True:
         host, group_port, token = agent_store.get(GROUP_STORE_KEY).decode().split()
         try:
+            # A plain connection first: at a dead rank 0's address it is refused at once, where TCPStore would
+            # retry until its timeout and log each try, with a C++ backtrace, on stderr.
+            socket.create_connection((host, int(group_port)), timeout=STALE_CHECK_S).close()
             store = dist.TCPStore(host, int(group_port), is_master=False, timeout=timedelta(seconds=STALE_CHECK_S))
             if store.get("token").decode() == token:
                 store.set_timeout(timedelta(seconds=timeout))
                 return store
-        except dist.DistError:  # nobody there, or a store without our token: the previous group's post
+        except (OSError, dist.DistError):  # nobody there, or a store without our token: the previous group's post
             pass
         if time.monotonic() > deadline:
             raise PeerLostError(f"rank 0 posted no store for this group within --timeout {timeout:g}s; "

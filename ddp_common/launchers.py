@@ -53,12 +53,14 @@ def local_rank():
 
 def job_id():
     """What the processes of one job share and another job's do not: torchrun's run id (its --rdzv_id, a fresh
-    one for each --standalone run; not its default, "none"), or mpirun's job namespace; None where nothing names
-    the job."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id == "none":  # torchrun's default --rdzv_id when none is given (and not --standalone): names nothing
-        run_id = None
-    return run_id or os.environ.get("PMIX_NAMESPACE") or None
+    one for each --standalone run), or, under its default id "none" (torchrun --master_addr/--master_port, as
+    Kubernetes' controllers launch it), the address of the job's store, which no other job can hold at the same
+    time; or mpirun's job namespace; None where nothing names the job."""
+    env = os.environ
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id == "none":
+        run_id = f"none@{env.get('MASTER_ADDR', '')}:{env['MASTER_PORT']}" if "MASTER_PORT" in env else None
+    return run_id or env.get("PMIX_NAMESPACE") or None
 
 
 def die_with_launcher():

@@ -47,6 +47,24 @@ def _tagged(env):
     return env
 
 
+def listening(port):
+    """Whether a process listens on 127.0.0.1:`port` (or on every address) by now: read from /proc, without
+    connecting, so that the listener sees nothing. torchrun's c10d rendezvous store is hosted by the first
+    agent to bind its port; a test that kills a node's agent must know which one that was."""
+    wanted = {f"0100007F:{port:04X}", f"00000000:{port:04X}"}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local = fields[1]
+            if fields[3] == "0A" and (local in wanted or (table.endswith("6") and local.endswith(f":{port:04X}"))):
+                return True
+    return False
+
+
 def start(cmd, cwd, env=None, merge_output=True):
     """Popen a launch in its own session, tagged for teardown; read it with finish()."""
     return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=_tagged(env), text=True, start_new_session=True,

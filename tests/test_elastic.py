@@ -155,7 +155,7 @@ def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_
     # Rank 0 speaks: node 0 until node 2 joins and takes rank 0. One line per change, printed once.
     assert (f"Newest snapshot: node0.pt of rank 0, sent to every rank (the ranks held {older} to {join1} epochs)\n"
             f"World size 1 -> 2 at epoch {join1}\nResuming from node0.pt at epoch {join1}\n") in out0
-    assert "); torchrun starts the group again, which resumes from the snapshots (3 restarts left)" in out0
+    assert "; torchrun starts the group again, which resumes from the snapshots (3 restarts left)" in out0
     assert f"\nWorld size 2 -> 1 at epoch {leave}\nResuming from node0.pt at epoch {leave}\n" in out0
     assert (f"Newest snapshot: node0.pt of rank 1, sent to every rank (the ranks held 0 to {join2} epochs)\n"
             f"World size 1 -> 2 at epoch {join2}\nResuming from node2.pt at epoch {join2}\n") in out2

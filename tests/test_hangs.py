@@ -279,6 +279,16 @@ def alive(pid):
         return False
 
 
+def signal_pending(pid, sig):
+    """Whether `sig` waits to be delivered to the process: a stopped one gets it only once continued."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(mask & (1 << (sig - 1)) for mask in masks)
+
+
 def test_multigpu_mp_spawn_names_a_stopped_rank(tmp_path):
     """A real SIGSTOP of rank 1 (alive, its connections open, doing nothing): rank 0 names it after --timeout.
     SIGCONT once rank 0 has gone, so that mp.spawn's SIGTERM reaches it (a stopped process would keep
@@ -299,6 +309,10 @@ def test_multigpu_mp_spawn_names_a_stopped_rank(tmp_path):
     while alive(ranks[0]) and time.monotonic() < stopped + HANG_GUARD_S:
         time.sleep(0.05)
     gone = time.monotonic() - stopped
+    # Continued before mp.spawn's SIGTERM is pending, rank 1 would run on, find rank 0 gone and speak too.
+    while not signal_pending(ranks[1], signal.SIGTERM) and job.poll() is None \
+            and time.monotonic() < stopped + 2 * HANG_GUARD_S:
+        time.sleep(0.05)
     os.kill(ranks[1], signal.SIGCONT)
     job.wait(timeout=HANG_GUARD_S)
     reader.join(timeout=30)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish,
-                      free_port, load_snapshot, python_cmd, run, start, summary, torchrun_cmd)
+                      free_port, listening, load_snapshot, python_cmd, run, start, summary, torchrun_cmd)
 from ddp_common import snapshot
 from test_elastic import ELASTIC, RDZV_CONF, release_when_stopped_by_torchrun
 from test_reliability import HANG_GUARD_S, torchrun_worker, wait_for
@@ -221,7 +221,10 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
                       f"--rdzv_conf={RDZV_CONF.replace('last_call_timeout=1', 'last_call_timeout=5')}",
                       REPO / SCRIPT, *SMALL, "--epochs", str(EPOCHS), "--global_batch_size", "32", "--timeout", "30"],
                      tmp_path, env)
-    first, second = node(0), node(1)
+    # Node 0 hosts the rendezvous store (the first agent to bind the port does): node 1, the one killed, must not.
+    first = node(0)
+    wait_for(lambda: listening(port) or first.poll() is not None, 60, "node 0's rendezvous store")
+    second = node(1)
     wait_for(lambda: len(processes(probes)) == 2 and all(p[2] == 2 for p in processes(probes))
              or first.poll() is not None, 120, "both nodes in one group")
     wait_for(lambda: processes(probes)[0][4] >= 128 + 15 or first.poll() is not None, 120, "mid-epoch 1")

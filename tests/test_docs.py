@@ -8,6 +8,7 @@ tutorial's positional TOTAL_EPOCHS SAVE_EVERY), train.py trains on 256 images; a
 is left out (the environment is installed) and so are pytest commands (this is the test suite).
 """
 import functools
+import json
 import re
 import shlex
 import shutil
@@ -81,10 +82,20 @@ def program_and_script(tokens):
 
 
 @functools.lru_cache(maxsize=None)
+def help_texts():
+    """Every documented script's --help, asked in one process (tests/support/help_texts.py)."""
+    scripts = sorted({param.values[2] for param in shell_commands() if (REPO / param.values[2]).is_file()})
+    return json.loads(run([sys.executable, REPO / "tests" / "support" / "help_texts.py", *scripts], cwd=REPO,
+                          timeout=300).stdout)
+
+
+@functools.lru_cache(maxsize=None)
 def accepted_flags(program):
     """The flags a script or torchrun accepts, from its own --help."""
-    command = [BIN / "torchrun"] if program == "torchrun" else [sys.executable, REPO / program]
-    text = run([*command, "--help"], cwd=REPO, timeout=120).stdout
+    text = help_texts().get(program)
+    if not text:  # torchrun, or a script that help_texts.py could not ask: on its own
+        command = [BIN / "torchrun"] if program == "torchrun" else [sys.executable, REPO / program]
+        text = run([*command, "--help"], cwd=REPO, timeout=120).stdout
     return set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", text))
 
 

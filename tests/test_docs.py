@@ -250,3 +250,24 @@ def test_docs_hold_no_commit_hashes():
         for match in re.finditer(r"\b[0-9a-f]{7,40}\b", FENCE.sub("", page.read_text())):
             word = match[0]
             assert not (re.search(r"[a-f]", word) and re.search(r"\d", word)), f"{page_id(page)}: {word}"
+
+
+def diff_lines(a, b):
+    """`diff -u a b | wc -l`, the figure the docs print for a step or a feature."""
+    result = run(["diff", "-u", a, b], cwd=REPO, check=False, timeout=30)
+    assert result.returncode == 1, result.stderr
+    return len(result.stdout.splitlines())
+
+
+def test_the_diff_sizes_the_docs_print_are_the_scripts_own():
+    tutorial = (REPO / "docs" / "tutorial.md").read_text()
+    steps = re.findall(r"^\| `([\w./]+)` -> `([\w./]+)` \| (\d+) \|$", tutorial, re.M)
+    assert len(steps) == 4, steps
+    features = re.findall(r"^\| \[`(\w+\.py)`\]\(\.\./by_feature/\w+\.py\) \|.*\| (\d+) \| \[[^]]+\]\([^)]+\) \|$",
+                          (REPO / "docs" / "features.md").read_text(), re.M)
+    assert sorted(name for name, _ in features) == sorted(p.name for p in (REPO / "by_feature").glob("*.py"))
+    for a, b, lines in steps:
+        assert diff_lines(a, b) == int(lines), f"docs/tutorial.md: diff -u {a} {b} is {diff_lines(a, b)} lines"
+    for name, lines in features:
+        found = diff_lines("torchrun_ddp.py", f"by_feature/{name}")
+        assert found == int(lines), f"docs/features.md: diff -u torchrun_ddp.py by_feature/{name} is {found} lines"

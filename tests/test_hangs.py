@@ -19,6 +19,7 @@ import pytest
 from conftest import (BIN, REPO, check_no_abort, clean_env, kill_launched, mpi_env, mpirun_cmd, python_cmd, run,
                       start, torchrun_cmd)
 from ddp_common import hangs
+from test_elastic import signal_pending
 
 TIMEOUT = 8  # --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
 # After the fault: --timeout for the waiting ranks, then at most hangs.WAIT_S asking the others; the rest is
@@ -277,16 +278,6 @@ def alive(pid):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def signal_pending(pid, sig):
-    """Whether `sig` waits to be delivered to the process: a stopped one gets it only once continued."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
-    return any(mask & (1 << (sig - 1)) for mask in masks)
 
 
 def test_multigpu_mp_spawn_names_a_stopped_rank(tmp_path):

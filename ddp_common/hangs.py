@@ -421,9 +421,16 @@ def explain(error):
         if line is not None:
             return line
         if me is None:
-            return f"lost contact with the other ranks ({one_line(error)}); the launcher stopped this rank " \
-                   f"before it could ask the others (see {DOCS})"
-        return compose(me, entries, world_size, stopped=True)
+            # Stopped before it even looked at its own collective (torchrun stops the others as soon as one
+            # rank exits, as a rank that aborted does): what it knows alone takes milliseconds and needs no
+            # peer, and the launcher waits before it kills, so finish that, with SIGTERM held off.
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                me, _ = local_view(error)
+            except Exception:  # noqa: BLE001
+                return f"lost contact with the other ranks ({one_line(error)}); the launcher stopped this rank " \
+                       f"before it could ask the others (see {DOCS})"
+        return compose(me, entries or {me["rank"]: me}, world_size, stopped=True)
     except Exception:  # noqa: BLE001  a group too broken to describe: say what we have
         return line or f"lost contact with the other ranks ({one_line(error)})"
     finally:

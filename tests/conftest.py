@@ -48,20 +48,16 @@ def _tagged(env):
 
 
 def listening(port):
-    """Whether a process listens on 127.0.0.1:`port` (or on every address) by now: read from /proc, without
-    connecting, so that the listener sees nothing. torchrun's c10d rendezvous store is hosted by the first
-    agent to bind its port; a test that kills a node's agent must know which one that was."""
-    wanted = {f"0100007F:{port:04X}", f"00000000:{port:04X}"}
+    """Whether a process listens on `port` by now: read from /proc, without connecting, so that the listener
+    sees nothing. torchrun's c10d rendezvous store is hosted by the first agent to bind its port; a test that
+    kills a node's agent must know which one that was."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             rows = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
-        for row in rows:
-            fields = row.split()
-            local = fields[1]
-            if fields[3] == "0A" and (local in wanted or (table.endswith("6") and local.endswith(f":{port:04X}"))):
-                return True
+        if any(row.split()[3] == "0A" and row.split()[1].endswith(f":{port:04X}") for row in rows):
+            return True
     return False
 
 

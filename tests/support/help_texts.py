@@ -1,7 +1,7 @@
 """Print each named script's own --help text, as JSON {script: text}, from one process.
 
 tests/test_docs.py checks every documented flag against the script's --help. One `python script --help` a
-script costs an `import torch` each (about 2 s, some forty scripts); here torch is imported once and each script
+script costs an `import torch` each (about 2 s, some two dozen scripts); here torch is imported once and each script
 runs as __main__ (runpy), as `python script --help` runs it, until argparse prints its help and exits."""
 import contextlib
 import io

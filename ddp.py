@@ -242,8 +242,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Normal training, DDP and DataParallel side by side.", total_epochs=10,
-                                 batch_size=128, positional=False, world_size=True)
+    parser = cli.training_parser(__doc__, snapshots=False, total_epochs=10, batch_size=128, positional=False,
+                                 world_size=True)
     cli.add_linear_args(parser, input_size=200)
     parser.add_argument("--weights_dir", help="write each mode's final weights to DIR (normal.pt, ddp.pt, "
                                               "dataparallel.pt), to inspect or compare them")

@@ -189,8 +189,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Step 5: FSDP2 and distributed checkpoints.", snapshot_path="fsdp_checkpoints",
-                                 distributed=True)
+    parser = cli.training_parser(__doc__, snapshot_path="fsdp_checkpoints", distributed=True)
     parser.add_argument("--amp", action="store_true", help="bf16 compute; fp32 gradient reduction and weights")
     parser.add_argument("--async_save", action="store_true", help="write checkpoints while training goes on")
     parser.add_argument("--export_path", help="at the end, write the full state to this file (torch.save)")

@@ -137,6 +137,5 @@ def spawn(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Step 2: one process per GPU with mp.spawn.", snapshot_path="multigpu.pt",
-                                 distributed=True, world_size=True)
+    parser = cli.training_parser(__doc__, distributed=True, world_size=True)
     cli.run(spawn, parser)

@@ -132,6 +132,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Step 3: launched by torchrun, with exact resume.",
-                                 snapshot_path="multigpu_torchrun.pt", distributed=True)
+    parser = cli.training_parser(__doc__, distributed=True)
     cli.run(main, parser)

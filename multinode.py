@@ -155,6 +155,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Step 4: several nodes, one torchrun per node.", snapshot_path="multinode.pt",
-                                 distributed=True)
+    parser = cli.training_parser(__doc__, distributed=True)
     cli.run(main, parser)

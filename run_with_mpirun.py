@@ -124,8 +124,7 @@ def train(args, device):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Processes started by mpirun: check the collectives, or --train.",
-                                 snapshot_path="run_with_mpirun.pt", distributed=True)
+    parser = cli.training_parser(__doc__, distributed=True)
     parser.add_argument("--train", action="store_true",
                         help="train the tutorial model as multigpu_torchrun.py does, instead of the collectives")
     cli.run(main, parser)

@@ -106,5 +106,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Step 1: training on one device.", snapshot_path="singlegpu.pt")
+    parser = cli.training_parser(__doc__)
     cli.run(main, parser)

@@ -153,8 +153,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("DDP communication hooks: fp16, bf16 or PowerSGD gradients.", snapshot_path="comm_hooks.pt",
-                                 total_epochs=5, save_every=1, batch_size=64, positional=False, distributed=True)
+    parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
+                                 distributed=True)
     cli.add_linear_args(parser)  # --input_size, --lr
     comm_hooks.add_args(parser)  # --comm_hook, --powersgd_rank, --powersgd_warmup
     cli.run(main, parser)

@@ -168,8 +168,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Exact distributed evaluation on held-out data.", snapshot_path="exact_evaluation.pt",
-                                 total_epochs=5, save_every=1, batch_size=64, positional=False, distributed=True)
+    parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
+                                 distributed=True)
     cli.add_linear_args(parser)  # --input_size, --lr
     parser.add_argument("--evaluate", action="store_true", help="only evaluate the snapshot's model, then exit")
     cli.run(main, parser)

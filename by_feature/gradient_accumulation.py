@@ -149,8 +149,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Gradient accumulation with no_sync.", snapshot_path="gradient_accumulation.pt",
-                                 total_epochs=5, save_every=1, batch_size=64, positional=False, distributed=True)
+    parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
+                                 distributed=True)
     cli.add_linear_args(parser)  # --input_size, --lr
     parser.add_argument("--accumulation_steps", type=cli.positive_int, default=4,
                         help="micro-batches whose gradients add up before one all-reduce and optimizer step (default 4)")

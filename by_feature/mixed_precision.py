@@ -151,7 +151,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Mixed precision: bf16 autocast, or fp16 with loss scaling.", snapshot_path="mixed_precision.pt",
-                                 total_epochs=5, save_every=1, batch_size=64, positional=False, distributed=True)
+    parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
+                                 distributed=True)
     cli.add_linear_args(parser)  # --input_size, --lr
     cli.run(main, parser)

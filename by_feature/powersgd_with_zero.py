@@ -159,8 +159,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("PowerSGD with a sharded optimizer, resumable either way.", snapshot_path="powersgd_with_zero.pt",
-                                 total_epochs=5, save_every=1, batch_size=64, positional=False, distributed=True)
+    parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
+                                 distributed=True)
     cli.add_linear_args(parser)  # --input_size, --lr
     comm_hooks.add_args(parser)  # --comm_hook, --powersgd_rank, --powersgd_warmup
     cli.run(main, parser)

@@ -176,8 +176,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Step checkpoints that resume mid-epoch.", snapshot_path="step_checkpoints.pt",
-                                 total_epochs=5, save_every=1, batch_size=64, positional=False, distributed=True)
+    parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
+                                 distributed=True)
     cli.add_linear_args(parser)  # --input_size, --lr
     parser.add_argument("--save_every_steps", type=cli.positive_int, default=20,
                         help="write a snapshot every N steps, mid-epoch too: a crash costs at most N steps (default 20)")

@@ -156,8 +156,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser("Uneven inputs: ranks with different numbers of batches, trained with Join.", snapshot_path="uneven_inputs.pt",
-                                 total_epochs=5, save_every=1, batch_size=64, positional=False, distributed=True)
+    parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
+                                 distributed=True)
     cli.add_linear_args(parser)  # --input_size, --lr
     parser.add_argument("--no_join", action="store_true",
                         help="train without Join: the ranks wait for each other until --timeout, then stop")

@@ -1,7 +1,7 @@
 """The command line: the flags the scripts share (one spelling each), their types, and the entry point that
 turns an error into one line.
 
-    parser = cli.training_parser("Step 3: ...", snapshot_path="multigpu_torchrun.pt", distributed=True)
+    parser = cli.training_parser(__doc__, distributed=True)   # --snapshot_path defaults to <script>.pt
     cli.run(main, parser)            # main(args)
 
     @cli.rank_main                   # each process mp.spawn starts: errors become one line here too
@@ -96,14 +96,22 @@ def seconds(text):
     return timedelta(seconds=positive_float(text))
 
 
-def training_parser(description, snapshot_path=None, total_epochs=50, save_every=10, batch_size=32,
-                    positional=True, distributed=False, world_size=False):
-    """The parser of a training script: --total_epochs (--epochs), --batch_size, --seed, and with a
-    `snapshot_path` default --save_every and --snapshot_path; `positional` also takes the upstream tutorial's
-    `TOTAL_EPOCHS SAVE_EVERY`; `distributed` adds --backend and --timeout, `world_size` --world_size (the
-    processes a script starts itself)."""
-    parser = TrainingParser(description=description)
-    snapshots = snapshot_path is not None
+def script_snapshot():
+    """The default snapshot of the script being run: its own name with .pt (multinode.py: multinode.pt), so that
+    two scripts never resume from each other's snapshot unless asked to."""
+    return os.path.splitext(os.path.basename(sys.argv[0]))[0] + ".pt"
+
+
+def training_parser(description, snapshots=True, snapshot_path=None, total_epochs=50, save_every=10,
+                    batch_size=32, positional=True, distributed=False, world_size=False):
+    """The parser of a training script: --total_epochs (--epochs), --batch_size, --seed, and with `snapshots`
+    --save_every and --snapshot_path (default `snapshot_path`, else <script>.pt); `positional` also takes the
+    upstream tutorial's `TOTAL_EPOCHS SAVE_EVERY`; `distributed` adds --backend and --timeout, `world_size`
+    --world_size (the processes a script starts itself). `description` is shown as written: the script's
+    docstring, with its launch commands, serves."""
+    parser = TrainingParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if snapshots:
+        snapshot_path = snapshot_path or script_snapshot()
     if positional:
         parser.add_argument("total_epochs_arg", nargs="?", type=positive_int, metavar="total_epochs",
                             help="same as --total_epochs (the upstream tutorial's positional form)")

@@ -96,6 +96,8 @@ def accepted_flags(program):
     if not text:  # torchrun, or a script that help_texts.py could not ask: on its own
         command = [BIN / "torchrun"] if program == "torchrun" else [sys.executable, REPO / program]
         text = run([*command, "--help"], cwd=REPO, timeout=120).stdout
+    # Only what argparse lists as options: a script's description (its docstring) shows commands with launcher flags.
+    text = text.split("\noptions:\n", 1)[-1]
     return set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", text))
 
 

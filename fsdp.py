@@ -151,9 +151,10 @@ def load_train_objs(seed, mesh, amp):
 
 
 def main(args):
-    # torchrun numbers the processes: RANK in the job, LOCAL_RANK on this machine (the GPU), here the same.
+    # torchrun numbers the processes: RANK in the whole job, LOCAL_RANK on this machine (which picks its GPU).
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this node, each with its own GPU
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this machine, each with its own GPU
+    # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
@@ -163,7 +164,7 @@ def main(args):
     # outlives a restart with the old group's keys (docs/failures.md).
     dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
-    threads = share_cores(device)  # nodes on one machine share its cores (torchrun sets no threads for 1 process)
+    threads = share_cores(device)  # torchrun sets OMP_NUM_THREADS=1 only for 2+ processes a machine: see devices.py
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}"
               + (f" | {threads}" if threads else ""))

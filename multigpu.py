@@ -2,7 +2,7 @@
 
     python multigpu.py 50 10           # every GPU with nccl, or 2 CPU processes with gloo; writes multigpu.pt
 
-Each step is the one before plus its lesson: read the next as `diff -u multigpu.py multigpu_torchrun.py`.
+Each step is the one before plus its lesson: `diff -u` it against the one before (docs/tutorial.md).
 """
 import os
 import time
@@ -26,7 +26,6 @@ from ddp_common.rendezvous import free_port
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device):
-        self.rank = dist.get_rank()
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
@@ -34,6 +33,7 @@ class Trainer:
         self.save_every = save_every
         self.snapshot_path = snapshot_path
         self.epochs_run = 0
+        self.rank = dist.get_rank()
         # The snapshot, if there is one (None: a fresh start). The process that saves checks now, not at the first
         # save, that it can write it and that no other run is writing it.
         state = snapshot.claim(snapshot_path, saves=self.rank == 0)
@@ -41,14 +41,13 @@ class Trainer:
             self._load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
-    def _load_snapshot(self, state):
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
-        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
-        self.epochs_run = state["epochs_run"]
-        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
+    def log(self, text):
+        if self.rank == 0:  # every rank holds the same model and loss: rank 0 speaks for all
+            print(text)
 
     def _save_snapshot(self, epoch):
+        if self.rank != 0:  # every rank holds the same model: rank 0 alone saves it
+            return
         state = {
             "model": self.model.module.state_dict(),  # the model inside DDP, without DDP's "module." prefix
             "optimizer": self.optimizer.state_dict(),
@@ -57,6 +56,13 @@ class Trainer:
         }
         snapshot.save(state, self.snapshot_path)  # atomically: a crash mid-save leaves the previous snapshot whole
         self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+
+    def _load_snapshot(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
+        self.epochs_run = state["epochs_run"]
+        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
@@ -86,17 +92,12 @@ class Trainer:
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
-            # Every rank holds the same model: rank 0 alone saves it.
-            if self.rank == 0 and ((epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs):
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch)
         wall = time.perf_counter() - start  # loss.item() above waited for the device
         epochs = max_epochs - self.epochs_run
         samples = epochs * len(self.train_data.dataset)
         self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
-
-    def log(self, text):
-        if self.rank == 0:  # every rank holds the same model and loss: rank 0 speaks for all
-            print(text)
 
 
 def load_train_objs(seed):
@@ -109,9 +110,9 @@ def load_train_objs(seed):
 
 @cli.rank_main  # one-line errors in each process, as cli.run gives the parent
 def main(rank, world_size, args, port):
-    # mp.spawn numbers the processes 0..world_size-1: the rank, and on one machine the local rank (the GPU).
+    # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
-    device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
+    device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")  # mp.spawn's rank: the GPU
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
@@ -132,10 +133,9 @@ def main(rank, world_size, args, port):
 def spawn(args):
     world_size = args.world_size or torch.accelerator.device_count() or 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: else each process takes every core
-    # world_size processes, each running main(rank, world_size, args, port); a fixed port could be taken.
-    mp.spawn(main, args=(world_size, args, free_port()), nprocs=world_size)
+    mp.spawn(main, args=(world_size, args, free_port()), nprocs=world_size)  # main(rank, ...) in each process
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser(__doc__, distributed=True, world_size=True)
+    parser = cli.training_parser(__doc__, world_size=True, distributed=True)
     cli.run(spawn, parser)

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py 50 10    # 2 processes; writes multigpu_torchrun.pt
     torchrun --standalone --nproc_per_node=gpu --max_restarts=3 multigpu_torchrun.py 50 10   # every GPU, restarted
 
-Each step is the one before plus its lesson: read the next as `diff -u multigpu_torchrun.py multinode.py`.
+Each step is the one before plus its lesson: `diff -u` it against the one before (docs/tutorial.md).
 """
 import os
 import time
@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cli, snapshot
 from ddp_common.data import regression_dataset
-from ddp_common.devices import check_backend
+from ddp_common.devices import check_backend, share_cores
 from ddp_common.models import MLP
 from ddp_common.progress import summary_line
 from ddp_common.rendezvous import group_store
@@ -26,7 +26,6 @@ from ddp_common.rendezvous import group_store
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device):
-        self.rank = dist.get_rank()
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
@@ -34,6 +33,7 @@ class Trainer:
         self.save_every = save_every
         self.snapshot_path = snapshot_path
         self.epochs_run = 0
+        self.rank = dist.get_rank()
         # The snapshot, if there is one (None: a fresh start). The process that saves checks now, not at the first
         # save, that it can write it and that no other run is writing it.
         state = snapshot.claim(snapshot_path, saves=self.rank == 0)
@@ -41,14 +41,13 @@ class Trainer:
             self._load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
-    def _load_snapshot(self, state):
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
-        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
-        self.epochs_run = state["epochs_run"]
-        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
+    def log(self, text):
+        if self.rank == 0:  # every rank holds the same model and loss: rank 0 speaks for all
+            print(text)
 
     def _save_snapshot(self, epoch):
+        if self.rank != 0:  # every rank holds the same model: rank 0 alone saves it
+            return
         state = {
             "model": self.model.module.state_dict(),  # the model inside DDP, without DDP's "module." prefix
             "optimizer": self.optimizer.state_dict(),
@@ -57,6 +56,13 @@ class Trainer:
         }
         snapshot.save(state, self.snapshot_path)  # atomically: a crash mid-save leaves the previous snapshot whole
         self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+
+    def _load_snapshot(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
+        self.epochs_run = state["epochs_run"]
+        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
@@ -86,17 +92,12 @@ class Trainer:
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
-            # Every rank holds the same model: rank 0 alone saves it.
-            if self.rank == 0 and ((epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs):
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch)
         wall = time.perf_counter() - start  # loss.item() above waited for the device
         epochs = max_epochs - self.epochs_run
         samples = epochs * len(self.train_data.dataset)
         self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
-
-    def log(self, text):
-        if self.rank == 0:  # every rank holds the same model and loss: rank 0 speaks for all
-            print(text)
 
 
 def load_train_objs(seed):
@@ -108,9 +109,10 @@ def load_train_objs(seed):
 
 
 def main(args):
-    # torchrun numbers the processes: RANK in the job, LOCAL_RANK on this machine (the GPU), here the same.
+    # torchrun numbers the processes: RANK in the whole job, LOCAL_RANK on this machine (which picks its GPU).
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this node, each with its own GPU
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this machine, each with its own GPU
+    # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
@@ -120,8 +122,10 @@ def main(args):
     # meets in a store of its own: torchrun's outlives a restart with the old group's keys (docs/failures.md).
     dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
+    threads = share_cores(device)  # torchrun sets OMP_NUM_THREADS=1 only for 2+ processes a machine: see devices.py
     if rank == 0:
-        print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
+        print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}"
+              + (f" | {threads}" if threads else ""))
     dataset, model, optimizer = load_train_objs(args.seed)
     # Every rank builds the same dataset (same seed) and trains on its own shard; the sampler shuffles.
     train_data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))

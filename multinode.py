@@ -1,11 +1,10 @@
 """Step 4 of the DDP tutorial: the same training over several machines (nodes), one torchrun on each.
 
-    # on every node (HOST: an address of node 0 that all reach); each node keeps multinode.pt on its own disk:
+    # on every node; HOST: an address of node 0 that all reach (two nodes on one machine: docs/multinode.md)
     torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
-        --rdzv_conf=join_timeout=120 multinode.py 50 10
+        --rdzv_conf=join_timeout=120 multinode.py 50 10      # each node keeps multinode.pt on its own disk
 
-Two nodes on one machine, elastic jobs whose nodes come and go: docs/multinode.md, docs/elastic.md.
-Each step is the one before plus its lesson: read the next as `diff -u multigpu_torchrun.py fsdp.py` (sharding).
+Each step is the one before plus its lesson: `diff -u` it against the one before (docs/tutorial.md).
 """
 import os
 import time
@@ -28,7 +27,6 @@ from ddp_common.rendezvous import group_store
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, save_every, snapshot_path, device):
-        self.rank, self.local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
         self.device = device
         self.model = model.to(device)
         self.train_data = train_data
@@ -36,6 +34,7 @@ class Trainer:
         self.save_every = save_every
         self.snapshot_path = snapshot_path
         self.epochs_run = 0
+        self.rank, self.local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
         # The snapshot, if there is one (None: a fresh start). The process that saves checks now, not at the first
         # save, that it can write it and that no other run is writing it.
         state = self._newest(snapshot.claim(snapshot_path, saves=self.local_rank == 0))  # one file per node
@@ -49,25 +48,20 @@ class Trainer:
         held = [None] * dist.get_world_size()
         dist.all_gather_object(held, snapshot.describe(state, self.snapshot_path))  # epochs, run id, world size
         self.run = snapshot.one_run(held)  # snapshots of two different training runs: stop, rather than lose one
-        epochs = [entry[0] for entry in held]
-        source = epochs.index(max(epochs))
+        source = max(range(len(held)), key=lambda rank: held[rank][0])  # the first rank of those newest
         box = [state]
         dist.broadcast_object_list(box, src=source)  # rank `source`'s snapshot, to every rank
-        if min(epochs) < max(epochs):
-            self.log(f"Newest snapshot: {held[source][3]} of rank {source}, sent to every rank (the ranks held "
-                     f"{min(epochs)} to {max(epochs)} epochs)")
-        if box[0] and box[0].get("world_size", dist.get_world_size()) != dist.get_world_size():
-            self.log(f"World size {box[0]['world_size']} -> {dist.get_world_size()} at epoch {max(epochs)}")
+        for line in snapshot.what_changed(held, source, box[0], dist.get_world_size()):
+            self.log(line)  # which snapshot won, when the ranks held different ones; a new world size
         return box[0]
 
-    def _load_snapshot(self, state):
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
-        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
-        self.epochs_run = state["epochs_run"]
-        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
+    def log(self, text):
+        if self.rank == 0:  # every rank holds the same model and loss: rank 0 speaks for all
+            print(text)
 
     def _save_snapshot(self, epoch):
+        if self.local_rank != 0:  # every rank holds the same model: each node's first process saves it, on its disk
+            return
         state = {
             "model": self.model.module.state_dict(),  # the model inside DDP, without DDP's "module." prefix
             "optimizer": self.optimizer.state_dict(),
@@ -78,6 +72,13 @@ class Trainer:
         }
         snapshot.save(state, self.snapshot_path)  # atomically: a crash mid-save leaves the previous snapshot whole
         self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+
+    def _load_snapshot(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
+        self.epochs_run = state["epochs_run"]
+        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
@@ -107,17 +108,12 @@ class Trainer:
         start = time.perf_counter()
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
-            # Every rank holds the same model: each node's first process saves it, on that node's disk.
-            if self.local_rank == 0 and ((epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs):
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch)
         wall = time.perf_counter() - start  # loss.item() above waited for the device
         epochs = max_epochs - self.epochs_run
         samples = epochs * len(self.train_data.dataset)
         self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
-
-    def log(self, text):
-        if self.rank == 0:  # every rank holds the same model and loss: rank 0 speaks for all
-            print(text)
 
 
 def load_train_objs(seed):
@@ -129,9 +125,10 @@ def load_train_objs(seed):
 
 
 def main(args):
-    # torchrun numbers the processes: RANK across all nodes (rank 0 logs), LOCAL_RANK on this node (the GPU).
+    # torchrun numbers the processes: RANK in the whole job, LOCAL_RANK on this machine (which picks its GPU).
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this node, each with its own GPU
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this machine, each with its own GPU
+    # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
@@ -141,7 +138,7 @@ def main(args):
     # meets in a store of its own: torchrun's outlives a restart with the old group's keys (docs/failures.md).
     dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
                             world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
-    threads = share_cores(device)  # nodes on one machine share its cores (torchrun sets no threads for 1 process)
+    threads = share_cores(device)  # torchrun sets OMP_NUM_THREADS=1 only for 2+ processes a machine: see devices.py
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}"
               + (f" | {threads}" if threads else ""))

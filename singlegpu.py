@@ -2,7 +2,7 @@
 
     python singlegpu.py 50 10          # TOTAL_EPOCHS SAVE_EVERY; writes singlegpu.pt, and resumes from it
 
-Each step is the one before plus its lesson: read the next as `diff -u singlegpu.py multigpu.py` (docs/tutorial.md).
+Each step is the one before plus its lesson: `diff -u` it against the one before (docs/tutorial.md).
 """
 import time
 
@@ -31,12 +31,8 @@ class Trainer:
         if state is not None:
             self._load_snapshot(state)
 
-    def _load_snapshot(self, state):
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
-        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
-        self.epochs_run = state["epochs_run"]
-        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
+    def log(self, text):
+        print(text)  # the only process: it speaks
 
     def _save_snapshot(self, epoch):
         state = {
@@ -47,6 +43,13 @@ class Trainer:
         }
         snapshot.save(state, self.snapshot_path)  # atomically: a crash mid-save leaves the previous snapshot whole
         self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
+
+    def _load_snapshot(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+        torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
+        self.epochs_run = state["epochs_run"]
+        self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
@@ -80,9 +83,6 @@ class Trainer:
         epochs = max_epochs - self.epochs_run
         samples = epochs * len(self.train_data.dataset)
         self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
-
-    def log(self, text):
-        print(text)  # the only process: it speaks
 
 
 def load_train_objs(seed):

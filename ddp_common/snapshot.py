@@ -328,3 +328,16 @@ def one_run(held):
                          f"({epochs_a} epochs) and {path_b} on rank {rank_b} ({epochs_b} epochs); keep this job's "
                          "snapshots and move the others away, or move all away to start afresh")
     return next(iter(runs), held[0][4])
+
+
+def what_changed(held, source, state, world_size):
+    """The lines multinode.py logs once the newest snapshot (rank `source`'s, `state`) reached every rank: which
+    one won, when the ranks held different ones, and a change of world size since it was written."""
+    epochs = [entry[0] for entry in held]
+    lines = []
+    if min(epochs) < max(epochs):
+        lines.append(f"Newest snapshot: {held[source][3]} of rank {source}, sent to every rank (the ranks held "
+                     f"{min(epochs)} to {max(epochs)} epochs)")
+    if state and state.get("world_size", world_size) != world_size:
+        lines.append(f"World size {state['world_size']} -> {world_size} at epoch {max(epochs)}")
+    return lines

@@ -48,7 +48,7 @@ class Trainer:
         held = [None] * dist.get_world_size()
         dist.all_gather_object(held, snapshot.describe(state, self.snapshot_path))  # epochs, run id, world size
         self.run = snapshot.one_run(held)  # snapshots of two different training runs: stop, rather than lose one
-        source = max(range(len(held)), key=lambda rank: held[rank][0])  # the first rank of those newest
+        source = max(range(len(held)), key=lambda rank: held[rank][0])  # the lowest rank holding the most epochs
         box = [state]
         dist.broadcast_object_list(box, src=source)  # rank `source`'s snapshot, to every rank
         for line in snapshot.what_changed(held, source, box[0], dist.get_world_size()):

@@ -13,6 +13,8 @@ the group's key-value store, a side channel that still works when the collective
   collective, the ranks that did not arrive or called another collective or shape (both sides named), whether
   those that did not answer are gone (their connection closed: killed, crashed or aborted) or alive but stuck in
   their own code (the connection is open), whether this rank is the one that stopped, and where to look next.
+  gloo also closes a rank's connections when a collective of its times out: a connection that closed half of
+  --timeout or more into this rank's collective may be a live peer's, and is waited for as after a timeout.
 - It writes this rank's flight recorder dump where torchfrtrace reads it: one folder per failure under
   fr_traces/, or TORCH_FR_DUMP_TEMP_FILE's prefix (torch's variable) followed by the rank.
 
@@ -43,7 +45,7 @@ import torch.distributed as dist
 from ddp_common.errors import one_line
 
 WAIT_S = 5.0  # the longest a failing rank waits for the others' entries
-LINGER_S = 2.0  # the longest rank 0, which hosts the store, stays for the others to read
+LINGER_S = 2.0  # the longest a rank that answered stays for the others that answered to finish their line
 STORE_TIMEOUT_S = 3.0  # one store operation, once the collective has failed
 KEY = "ddp_examples/hangs/"
 DUMP_ROOT = "fr_traces"
@@ -180,13 +182,15 @@ def local_view(error):
     if me["timeout_s"] is None:
         waited = re.search(r"Timed out waiting (\d+)ms", text) or re.search(r"in (\d+) ms", text)
         me["timeout_s"] = int(waited[1]) / 1000 if waited else None
+    # How long ago this rank's last collective (of any group) began: what tells a peer that died (early) from a
+    # peer whose collective timed out (about --timeout in), when all this rank saw was a closed connection.
+    newest = max((e.get("time_created_ns") or 0 for e in dump["entries"]), default=0) if dump is not None else 0
+    me["waited_s"] = me["time"] - newest / 1e9 if newest else None
     barrier = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
     me["absent"] = [int(r) for r in barrier[1].replace(",", " ").split()] if barrier else []
-    if barrier and dump is not None and me["timeout_s"]:
-        # DETAIL's monitored barrier says "in <timeout> ms" even when a peer's death ended it at once: what
-        # tells them apart is how long ago this rank's last collective (of any group) began.
-        newest = max((e.get("time_created_ns") or 0 for e in dump["entries"]), default=0)
-        if newest and me["time"] - newest / 1e9 < 0.8 * me["timeout_s"]:
+    if barrier and me["waited_s"] is not None and me["timeout_s"]:
+        # DETAIL's monitored barrier says "in <timeout> ms" even when a peer's death ended it at once.
+        if me["waited_s"] < 0.8 * me["timeout_s"]:
             me["cause"] = "closed"
     return me, dump
 
@@ -197,6 +201,19 @@ def _on_sigterm(signum, frame):
     raise _Stopped()
 
 
+def _peer_may_have_timed_out(me):
+    """Whether the connection that closed under this rank may have been closed by a live peer. gloo closes all
+    of a rank's connections when one of its collectives times out, so the peer that waited as long as this rank
+    (a skipped or another collective: both wait --timeout) and gave up a moment sooner shows here as "Connection
+    closed by peer", although it is alive and about to post its entry. A peer that died (killed, aborted)
+    closes them at any moment, mostly long before --timeout. So: closed at least half of --timeout after this
+    rank's last collective began, or when the flight recorder (off) cannot say when that was, wait for the peer
+    as after a timeout (at most WAIT_S, within the --timeout + WAIT_S the line promises); earlier, it is gone."""
+    if me.get("waited_s") is None or not me.get("timeout_s"):
+        return True
+    return me["waited_s"] >= 0.5 * me["timeout_s"]
+
+
 def _ask_others(store, me, world_size):
     """Publish `me`, wait for the others' entries (at most WAIT_S, or --timeout if shorter); returns (entries by
     rank, the dump folder the ranks agreed on)."""
@@ -204,8 +221,10 @@ def _ask_others(store, me, world_size):
     folder = store.compare_set(KEY + "dumps", "", proposal).decode() or proposal
     store.append(KEY + "entries", json.dumps(me) + "\n")
     count = store.add(KEY + "count", 1)
-    # A closed connection means a peer is gone for good: it will not answer, so wait for one fewer.
-    enough = world_size - (1 if me["cause"] == "closed" else 0) - len(me["absent"])
+    # A connection closed early means a peer is gone for good: it will not answer, so wait for one fewer. One
+    # closed about --timeout in may be a live peer's doing (_peer_may_have_timed_out): wait for its entry.
+    gone = me["cause"] == "closed" and not _peer_may_have_timed_out(me)
+    enough = world_size - (1 if gone else 0) - len(me["absent"])
     deadline = time.monotonic() + min(WAIT_S, me["timeout_s"] or WAIT_S)
     while count < enough and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -244,7 +263,11 @@ def _bounded(function, seconds):
 
 
 def _linger(store, published):
-    """Rank 0 hosts the store: stay until the ranks that published have read the others' entries (or LINGER_S)."""
+    """Stay until the ranks that published have read the others' entries and written their dumps (or LINGER_S).
+    Every rank does, not only rank 0 (which hosts the store, and must not take it away while the others read):
+    under torchrun, the first rank to exit has the others stopped (SIGTERM) at once, and a rank stopped in its
+    wait would say that a peer had not answered whose entry was already there (a line unlike the first rank's, seen
+    in a third of the runs of hangs.py --fault skip), and leave its dump unwritten."""
     deadline = time.monotonic() + LINGER_S
     try:
         while store.add(KEY + "read", 0) < published and time.monotonic() < deadline:
@@ -412,8 +435,7 @@ def explain(error):
         if not (stopped or store_lost):
             try:
                 _bounded(lambda: store.add(KEY + "read", 1), STORE_TIMEOUT_S)
-                if me["rank"] == 0:
-                    _bounded(lambda: _linger(store, len(entries)), LINGER_S + STORE_TIMEOUT_S)
+                _bounded(lambda: _linger(store, len(entries)), LINGER_S + STORE_TIMEOUT_S)
             except Exception:  # noqa: BLE001
                 pass
         return line

@@ -6,8 +6,7 @@
 DistributedSampler pads the shards to equal lengths by repeating samples, so a metric summed over them counts some
 twice and changes with the world size. ShardSampler deals every sample to exactly one rank: the same figures at
 any world size. Evaluation runs no collective per batch, so shards of different lengths leave nobody waiting.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
 import sys
@@ -52,6 +51,10 @@ class Trainer:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
+
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -89,24 +92,6 @@ class Trainer:
         loss_sum, correct, samples = stats.tolist()
         return loss_sum / samples, correct / samples, int(samples)
 
-    @torch.no_grad()
-    def evaluate(self, epochs):
-        """Loss and accuracy on the held-out set, each sample counted once. The plain model, not the DDP wrapper:
-        evaluation needs no collective per batch, so shards of different lengths cannot leave a rank waiting."""
-        model = self.model.module
-        model.eval()
-        stats = torch.zeros(3, device=self.device)  # loss sum, correct, samples
-        for source, targets in self.eval_data:
-            source, targets = source.to(self.device), targets.to(self.device)
-            logits = model(source)
-            stats += torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
-                                  (logits.argmax(dim=1) == targets).sum(), torch.tensor(len(targets), device=self.device)])
-        model.train()
-        dist.all_reduce(stats)  # the sums of all ranks' shards: every held-out sample once
-        loss_sum, correct, samples = stats.tolist()
-        self.log(f"Eval | epochs {epochs} | loss {loss_sum / samples:.6f} | accuracy {correct / samples:.4f} | "
-                 f"{int(correct)} of {int(samples)} correct")
-
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
             self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
@@ -128,9 +113,22 @@ class Trainer:
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
 
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
+    @torch.no_grad()
+    def evaluate(self, epochs):
+        """Loss and accuracy on the held-out set, each sample counted once. The plain model, not the DDP wrapper:
+        evaluation needs no collective per batch, so shards of different lengths cannot leave a rank waiting."""
+        model = self.model.module.eval()
+        stats = torch.zeros(3, device=self.device)  # loss sum, correct, samples
+        for source, targets in self.eval_data:
+            source, targets = source.to(self.device), targets.to(self.device)
+            logits = model(source)
+            stats += torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
+                                  (logits.argmax(dim=1) == targets).sum(), torch.tensor(len(targets), device=self.device)])
+        model.train()
+        dist.all_reduce(stats)  # the sums of all ranks' shards: every held-out sample once
+        loss_sum, correct, samples = stats.tolist()
+        self.log(f"Eval | epochs {epochs} | loss {loss_sum / samples:.6f} | accuracy {correct / samples:.4f} | "
+                 f"{int(correct)} of {int(samples)} correct")
 
 
 def main(args):
@@ -163,7 +161,7 @@ def main(args):
         trainer.evaluate(trainer.epochs_run)
     else:
         trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

@@ -5,8 +5,7 @@
 
 It pays when the batch you want does not fit in memory, or when an all-reduce per small batch costs more than its
 compute (slow links, many ranks). A step sees batch_size * accumulation_steps * world_size samples.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import contextlib
 import os
@@ -49,6 +48,10 @@ class Trainer:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
+
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -69,18 +72,16 @@ class Trainer:
 
     def run_batch(self, i, source, targets):
         """Micro-batch i of the epoch: the first of a step clears the gradients, the last all-reduces and steps."""
-        last = (i + 1) % self.accumulation_steps == 0 or i + 1 == len(self.train_data)
-        if i % self.accumulation_steps == 0:
+        k, step_size = self.accumulation_steps, self.accumulation_steps * self.train_data.batch_size
+        if i % k == 0:
             self.optimizer.zero_grad(set_to_none=True)
-        # Each micro-batch's loss sum over the step's sample count: loss / K for a full step, and a short last
-        # step weighed exactly as one batch of the same samples.
-        step_size = self.train_data.batch_size * self.accumulation_steps
-        in_step = min(step_size, len(self.train_data.sampler) - i // self.accumulation_steps * step_size)
+        last = (i + 1) % k == 0 or i + 1 == len(self.train_data)
+        in_step = min(step_size, len(self.train_data.sampler) - i // k * step_size)  # this step's samples, this rank
         # no_sync: backward only adds into .grad; the step's last micro-batch all-reduces the sum, once.
         with contextlib.nullcontext() if last else self.model.no_sync():
             logits = self.model(source)
             loss = F.cross_entropy(logits, targets, reduction="sum")
-            (loss / in_step).backward()
+            (loss / in_step).backward()  # over the step's samples: the step's mean, a short last step's too
         if last:
             self.optimizer.step()
         return loss.detach(), (logits.argmax(dim=1) == targets).sum()
@@ -116,10 +117,6 @@ class Trainer:
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
 
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
-
 
 def main(args):
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
@@ -144,7 +141,7 @@ def main(args):
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

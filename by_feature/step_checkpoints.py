@@ -8,8 +8,7 @@ It pays when an epoch is long: a crash then costs at most N steps, not the epoch
 whole dataset, and a step takes the next global batch of it, split among the ranks; the snapshot holds how far
 into that order the epoch is, which means the same at any world size. The checkpoints go where every rank reads
 them: on several nodes, a filesystem they share.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
 import sys
@@ -52,6 +51,10 @@ class Trainer:
         if state is not None:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
+
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
 
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
@@ -138,10 +141,6 @@ class Trainer:
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, self.steps_done - first_step, loss, samples, time.perf_counter() - start))
 
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
-
 
 def main(args):
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
@@ -171,7 +170,7 @@ def main(args):
     train_data = DataLoader(train_set, sampler=sampler, batch_size=None, generator=torch.Generator())
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

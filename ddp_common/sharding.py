@@ -56,6 +56,10 @@ class ShardSampler(Sampler):
     def __len__(self):
         return shard_sizes(self.size, self.world_size, self.uneven)[self.rank]
 
+    def batches_per_rank(self, batch_size):
+        """Every rank's number of batches of `batch_size` (the last one may be short), in rank order."""
+        return [-(-size // batch_size) for size in shard_sizes(self.size, self.world_size, self.uneven)]
+
 
 @contextlib.contextmanager
 def without_join(batches_per_rank, timeout):

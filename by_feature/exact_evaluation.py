@@ -4,8 +4,7 @@
     torchrun --standalone --nproc_per_node=3 by_feature/exact_evaluation.py --evaluate  # the snapshot's model alone
 
 DistributedSampler pads the shards to equal lengths by repeating samples, so a metric summed over them counts some
-twice and changes with the world size. ShardSampler deals every sample to exactly one rank: the same figures at
-any world size. Evaluation runs no collective per batch, so shards of different lengths leave nobody waiting.
+twice and changes with the world size. ShardSampler deals every sample to one rank: the same figures at any size.
 by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
@@ -22,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for ddp_common
 from ddp_common import cli, snapshot
-from ddp_common.data import classification_splits
+from ddp_common.data import classification_dataset, classification_splits
 from ddp_common.devices import check_backend, share_cores
 from ddp_common.errors import UsageError
 from ddp_common.models import LinearClassifier
@@ -115,13 +114,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, epochs):
-        """Loss and accuracy on the held-out set, each sample counted once. The plain model, not the DDP wrapper:
-        evaluation needs no collective per batch, so shards of different lengths cannot leave a rank waiting."""
+        # The plain model, not the DDP wrapper: no collective per batch, so shards of different lengths wait for none.
         model = self.model.module.eval()
         stats = torch.zeros(3, device=self.device)  # loss sum, correct, samples
         for source, targets in self.eval_data:
-            source, targets = source.to(self.device), targets.to(self.device)
-            logits = model(source)
+            logits, targets = model(source.to(self.device)), targets.to(self.device)
             stats += torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
                                   (logits.argmax(dim=1) == targets).sum(), torch.tensor(len(targets), device=self.device)])
         model.train()
@@ -133,8 +130,7 @@ class Trainer:
 
 def main(args):
     if args.evaluate and not os.path.exists(args.snapshot_path):
-        raise UsageError(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first, or pass the "
-                         "--snapshot_path of a trained model")
+        raise UsageError(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first, or pass another")
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -150,11 +146,12 @@ def main(args):
     if rank == 0:
         print(f"backend {backend}" + (f" | {threads}" if threads else ""))
     # The same on every rank (same seed): DistributedSampler then gives each rank its own part of it.
-    train_set, eval_set = classification_splits(DATASET_SIZE, EVAL_SIZE, args.input_size, seed=args.seed)
+    train_set = classification_dataset(DATASET_SIZE, args.input_size, seed=args.seed)
     torch.manual_seed(args.seed)
     model = LinearClassifier(args.input_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
+    _, eval_set = classification_splits(DATASET_SIZE, EVAL_SIZE, args.input_size, seed=args.seed)  # none in train_set
     eval_data = DataLoader(eval_set, batch_size=args.batch_size, sampler=ShardSampler(eval_set, rank, world_size))
     trainer = Trainer(model, train_data, eval_data, optimizer, args, device)
     if args.evaluate:

@@ -1,10 +1,9 @@
 """Gradient accumulation with no_sync: several micro-batches' gradients add up before one all-reduce and step.
 
-    # the weights of --batch_size 64, up to float rounding, with a quarter of the activations in memory:
     torchrun --standalone --nproc_per_node=2 by_feature/gradient_accumulation.py --batch_size 16 --accumulation_steps 4
 
-It pays when the batch you want does not fit in memory, or when an all-reduce per small batch costs more than its
-compute (slow links, many ranks). A step sees batch_size * accumulation_steps * world_size samples.
+That trains the weights of --batch_size 64 (up to float rounding) with a quarter of the activations in memory. It
+pays when the batch you want does not fit, or when an all-reduce per small batch costs more than its compute.
 by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import contextlib
@@ -71,20 +70,18 @@ class Trainer:
             self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
 
     def run_batch(self, i, source, targets):
-        """Micro-batch i of the epoch: the first of a step clears the gradients, the last all-reduces and steps."""
         k, step_size = self.accumulation_steps, self.accumulation_steps * self.train_data.batch_size
-        if i % k == 0:
-            self.optimizer.zero_grad(set_to_none=True)
         last = (i + 1) % k == 0 or i + 1 == len(self.train_data)
         in_step = min(step_size, len(self.train_data.sampler) - i // k * step_size)  # this step's samples, this rank
         # no_sync: backward only adds into .grad; the step's last micro-batch all-reduces the sum, once.
         with contextlib.nullcontext() if last else self.model.no_sync():
             logits = self.model(source)
-            loss = F.cross_entropy(logits, targets, reduction="sum")
-            (loss / in_step).backward()  # over the step's samples: the step's mean, a short last step's too
+            loss = F.cross_entropy(logits, targets)
+            (loss * len(targets) / in_step).backward()  # weighed by its share of the step: the step's mean loss
         if last:
             self.optimizer.step()
-        return loss.detach(), (logits.argmax(dim=1) == targets).sum()
+            self.optimizer.zero_grad(set_to_none=True)  # the next step's micro-batches add into cleared gradients
+        return loss.detach() * len(targets), (logits.argmax(dim=1) == targets).sum()
 
     def run_epoch(self, epoch):
         self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ddp_common import cli, snapshot
 from ddp_common.data import classification_dataset
 from ddp_common.devices import check_backend, share_cores
-from ddp_common.errors import UsageError
 from ddp_common.models import LinearClassifier
 from ddp_common.progress import Progress, summary_line
 from ddp_common.rendezvous import group_store
@@ -61,11 +60,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.epochs_run, self.position, self.steps_done = state["epochs_run"], state["position"], state["steps"]
-        # The position counts into this epoch's order, which the dataset and the seed make: refuse another's.
-        for key, here in (("dataset_size", self.sampler.size), ("seed", self.sampler.seed)):
-            if state[key] != here:
-                raise UsageError(f"{self.snapshot_path} was made with another {key.replace('_', ' ')} ({state[key]}, "
-                                 f"here {here}): its position means nothing here; move it away to start afresh")
+        self.sampler.check_snapshot(state, self.snapshot_path)  # its position counts into one dataset's and seed's order
         self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}, sample {self.position} of "
                  f"{self.sampler.size} (step {self.steps_done}, saved at world size {state['world_size']})")
         if state["global_batch"] != self.sampler.global_batch:

@@ -4,10 +4,8 @@
     torchrun --standalone --nproc_per_node=3 by_feature/exact_evaluation.py --evaluate  # the snapshot's model alone
 
 DistributedSampler pads the shards to equal lengths by repeating samples, so a metric summed over them counts some
-twice and changes with the world size. ShardSampler deals every sample to exactly one rank: the same figures at
-any world size. Evaluation runs no collective per batch, so shards of different lengths leave nobody waiting.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+twice and changes with the world size. ShardSampler deals every sample to one rank: the same figures at any size.
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
 import sys
@@ -23,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for ddp_common
 from ddp_common import cli, snapshot
-from ddp_common.data import classification_splits
+from ddp_common.data import classification_dataset, classification_splits
 from ddp_common.devices import check_backend, share_cores
 from ddp_common.errors import UsageError
 from ddp_common.models import LinearClassifier
@@ -51,6 +49,10 @@ class Trainer:
         if state is not None:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
+
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
 
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
@@ -89,24 +91,6 @@ class Trainer:
         loss_sum, correct, samples = stats.tolist()
         return loss_sum / samples, correct / samples, int(samples)
 
-    @torch.no_grad()
-    def evaluate(self, epochs):
-        """Loss and accuracy on the held-out set, each sample counted once. The plain model, not the DDP wrapper:
-        evaluation needs no collective per batch, so shards of different lengths cannot leave a rank waiting."""
-        model = self.model.module
-        model.eval()
-        stats = torch.zeros(3, device=self.device)  # loss sum, correct, samples
-        for source, targets in self.eval_data:
-            source, targets = source.to(self.device), targets.to(self.device)
-            logits = model(source)
-            stats += torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
-                                  (logits.argmax(dim=1) == targets).sum(), torch.tensor(len(targets), device=self.device)])
-        model.train()
-        dist.all_reduce(stats)  # the sums of all ranks' shards: every held-out sample once
-        loss_sum, correct, samples = stats.tolist()
-        self.log(f"Eval | epochs {epochs} | loss {loss_sum / samples:.6f} | accuracy {correct / samples:.4f} | "
-                 f"{int(correct)} of {int(samples)} correct")
-
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
             self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
@@ -128,15 +112,25 @@ class Trainer:
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
 
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
+    @torch.no_grad()
+    def evaluate(self, epochs):
+        # The plain model, not the DDP wrapper: no collective per batch, so shards of different lengths wait for none.
+        model = self.model.module.eval()
+        stats = torch.zeros(3, device=self.device)  # loss sum, correct, samples
+        for source, targets in self.eval_data:
+            logits, targets = model(source.to(self.device)), targets.to(self.device)
+            stats += torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
+                                  (logits.argmax(dim=1) == targets).sum(), torch.tensor(len(targets), device=self.device)])
+        model.train()
+        dist.all_reduce(stats)  # the sums of all ranks' shards: every held-out sample once
+        loss_sum, correct, samples = stats.tolist()
+        self.log(f"Eval | epochs {epochs} | loss {loss_sum / samples:.6f} | accuracy {correct / samples:.4f} | "
+                 f"{int(correct)} of {int(samples)} correct")
 
 
 def main(args):
     if args.evaluate and not os.path.exists(args.snapshot_path):
-        raise UsageError(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first, or pass the "
-                         "--snapshot_path of a trained model")
+        raise UsageError(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first, or pass another")
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -152,18 +146,19 @@ def main(args):
     if rank == 0:
         print(f"backend {backend}" + (f" | {threads}" if threads else ""))
     # The same on every rank (same seed): DistributedSampler then gives each rank its own part of it.
-    train_set, eval_set = classification_splits(DATASET_SIZE, EVAL_SIZE, args.input_size, seed=args.seed)
+    train_set = classification_dataset(DATASET_SIZE, args.input_size, seed=args.seed)
     torch.manual_seed(args.seed)
     model = LinearClassifier(args.input_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
+    _, eval_set = classification_splits(DATASET_SIZE, EVAL_SIZE, args.input_size, seed=args.seed)  # none in train_set
     eval_data = DataLoader(eval_set, batch_size=args.batch_size, sampler=ShardSampler(eval_set, rank, world_size))
     trainer = Trainer(model, train_data, eval_data, optimizer, args, device)
     if args.evaluate:
         trainer.evaluate(trainer.epochs_run)
     else:
         trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

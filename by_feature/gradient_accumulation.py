@@ -1,12 +1,10 @@
 """Gradient accumulation with no_sync: several micro-batches' gradients add up before one all-reduce and step.
 
-    # the weights of --batch_size 64, up to float rounding, with a quarter of the activations in memory:
     torchrun --standalone --nproc_per_node=2 by_feature/gradient_accumulation.py --batch_size 16 --accumulation_steps 4
 
-It pays when the batch you want does not fit in memory, or when an all-reduce per small batch costs more than its
-compute (slow links, many ranks). A step sees batch_size * accumulation_steps * world_size samples.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+That trains the weights of --batch_size 64 (up to float rounding) with a quarter of the activations in memory. It
+pays when the batch you want does not fit, or when an all-reduce per small batch costs more than its compute.
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import contextlib
 import os
@@ -49,6 +47,10 @@ class Trainer:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
+
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -68,22 +70,18 @@ class Trainer:
             self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
 
     def run_batch(self, i, source, targets):
-        """Micro-batch i of the epoch: the first of a step clears the gradients, the last all-reduces and steps."""
-        last = (i + 1) % self.accumulation_steps == 0 or i + 1 == len(self.train_data)
-        if i % self.accumulation_steps == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-        # Each micro-batch's loss sum over the step's sample count: loss / K for a full step, and a short last
-        # step weighed exactly as one batch of the same samples.
-        step_size = self.train_data.batch_size * self.accumulation_steps
-        in_step = min(step_size, len(self.train_data.sampler) - i // self.accumulation_steps * step_size)
+        k, step_size = self.accumulation_steps, self.accumulation_steps * self.train_data.batch_size
+        last = (i + 1) % k == 0 or i + 1 == len(self.train_data)
+        in_step = min(step_size, len(self.train_data.sampler) - i // k * step_size)  # this step's samples, this rank
         # no_sync: backward only adds into .grad; the step's last micro-batch all-reduces the sum, once.
         with contextlib.nullcontext() if last else self.model.no_sync():
             logits = self.model(source)
-            loss = F.cross_entropy(logits, targets, reduction="sum")
-            (loss / in_step).backward()
+            loss = F.cross_entropy(logits, targets)
+            (loss * len(targets) / in_step).backward()  # weighed by its share of the step: the step's mean loss
         if last:
             self.optimizer.step()
-        return loss.detach(), (logits.argmax(dim=1) == targets).sum()
+            self.optimizer.zero_grad(set_to_none=True)  # the next step's micro-batches add into cleared gradients
+        return loss.detach() * len(targets), (logits.argmax(dim=1) == targets).sum()
 
     def run_epoch(self, epoch):
         self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
@@ -116,10 +114,6 @@ class Trainer:
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
 
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
-
 
 def main(args):
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
@@ -144,7 +138,7 @@ def main(args):
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

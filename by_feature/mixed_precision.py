@@ -4,8 +4,7 @@
 
 It pays on GPUs with tensor cores (bf16 and fp16 matrix products run several times faster than fp32, and the
 activations take half the memory); on a CPU it shows the mechanics. The weights and the optimizer stay fp32.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
 import sys
@@ -30,13 +29,6 @@ from ddp_common.rendezvous import group_store
 DATASET_SIZE = 4096
 
 
-def autocast_dtype(device):
-    """bf16 where the hardware has it: fp32's exponent range, so gradients need no loss scaling; else fp16."""
-    if device.type == "cpu" or torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float16
-
-
 class Trainer:
     def __init__(self, model, train_data, optimizer, args, device):
         self.rank = dist.get_rank()
@@ -47,7 +39,8 @@ class Trainer:
         self.save_every = args.save_every
         self.snapshot_path = args.snapshot_path
         self.epochs_run = 0
-        self.dtype = autocast_dtype(device)
+        # bf16 where the hardware has it: fp32's exponent range, so gradients need no loss scaling; else fp16.
+        self.dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
         # fp16 gradients underflow without loss scaling; with bf16 the scaler is disabled, a passthrough.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         # Every rank reads the snapshot (None: a fresh start); rank 0, which writes it, checks now that it can.
@@ -55,6 +48,10 @@ class Trainer:
         if state is not None:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
+
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
 
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
@@ -118,10 +115,6 @@ class Trainer:
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
 
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
-
 
 def main(args):
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
@@ -146,7 +139,7 @@ def main(args):
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

@@ -4,8 +4,7 @@
 
 The two combine in the snapshot: the optimizer state consolidated from every rank's shard, and every rank's
 PowerSGD error feedback. A run stopped here resumes in by_feature/comm_hooks.py (not sharded) as well as here.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ddp_common import cli, comm_hooks, snapshot
 from ddp_common.data import classification_dataset
 from ddp_common.devices import check_backend, share_cores
-from ddp_common.memory import optimizer_state_bytes
+from ddp_common.memory import optimizer_state_report
 from ddp_common.models import LinearClassifier
 from ddp_common.progress import summary_line
 from ddp_common.rendezvous import group_store
@@ -42,26 +41,26 @@ class Trainer:
         self.save_every = args.save_every
         self.snapshot_path = args.snapshot_path
         self.epochs_run = 0
-        self.hook_states = None  # every rank's PowerSGD state, from the snapshot
         # Every rank reads the snapshot (None: a fresh start); rank 0, which writes it, checks now that it can.
         state = snapshot.claim(self.snapshot_path, saves=self.rank == 0)
         if state is not None:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
-        # What DDP hands to all-reduce instead of the fp32 gradients, registered on the DDP model.
+        # What DDP hands to all-reduce in place of the fp32 gradients: (state, hook), or None for DDP's own.
         self.comm_hook = comm_hooks.CommHook(args.comm_hook, args.powersgd_rank, args.powersgd_warmup)
-        hook = self.comm_hook.prepare(self.model)  # (state, hook); None for none: DDP's own all-reduce
-        if hook is not None:
+        if (hook := self.comm_hook.prepare(self.model)) is not None:
             self.model.register_comm_hook(*hook)
-        note = state is not None and self.comm_hook.restore(self.hook_states)  # PowerSGD goes on where it was
-        if note:
+        if state is not None and (note := self.comm_hook.restore(state.get("comm_hook"))):  # PowerSGD goes on
             self.log(f"Note: {note}")
+
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
 
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
-        self.hook_states = state.get("comm_hook")
         self.epochs_run = state["epochs_run"]
         self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
 
@@ -117,16 +116,8 @@ class Trainer:
                 self.save_snapshot(epoch)
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
-        held = [None] * dist.get_world_size()  # the bytes of optimizer state each rank holds: its shard
-        dist.all_gather_object(held, optimizer_state_bytes(self.optimizer))
-        self.log(f"Optimizer state | {', '.join(map(str, held))} bytes on ranks 0 to {len(held) - 1} ({sum(held)} in "
-                 f"all) | {type(self.optimizer).__name__}")
-        self.log(f"Communication | hook {self.comm_hook.name} | {self.comm_hook.bytes_per_step()} bytes all-reduced "
-                 f"per step and rank ({self.comm_hook.full_bytes} without a hook)")
-
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
+        self.log(optimizer_state_report(self.optimizer))  # a collective: the bytes each rank holds, its shard
+        self.log(self.comm_hook.report())  # the bytes this rank handed to all-reduce in its last step
 
 
 def main(args):
@@ -154,7 +145,7 @@ def main(args):
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP and ZeRO hold the process group: free them first, so destroy_process_group frees it
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

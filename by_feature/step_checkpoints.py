@@ -8,8 +8,7 @@ It pays when an epoch is long: a crash then costs at most N steps, not the epoch
 whole dataset, and a step takes the next global batch of it, split among the ranks; the snapshot holds how far
 into that order the epoch is, which means the same at any world size. The checkpoints go where every rank reads
 them: on several nodes, a filesystem they share.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
 import sys
@@ -26,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ddp_common import cli, snapshot
 from ddp_common.data import classification_dataset
 from ddp_common.devices import check_backend, share_cores
-from ddp_common.errors import UsageError
 from ddp_common.models import LinearClassifier
 from ddp_common.progress import Progress, summary_line
 from ddp_common.rendezvous import group_store
@@ -53,16 +51,16 @@ class Trainer:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
+
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.epochs_run, self.position, self.steps_done = state["epochs_run"], state["position"], state["steps"]
-        # The position counts into this epoch's order, which the dataset and the seed make: refuse another's.
-        for key, here in (("dataset_size", self.sampler.size), ("seed", self.sampler.seed)):
-            if state[key] != here:
-                raise UsageError(f"{self.snapshot_path} was made with another {key.replace('_', ' ')} ({state[key]}, "
-                                 f"here {here}): its position means nothing here; move it away to start afresh")
+        self.sampler.check_snapshot(state, self.snapshot_path)  # its position counts into one dataset's and seed's order
         self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}, sample {self.position} of "
                  f"{self.sampler.size} (step {self.steps_done}, saved at world size {state['world_size']})")
         if state["global_batch"] != self.sampler.global_batch:
@@ -138,10 +136,6 @@ class Trainer:
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, self.steps_done - first_step, loss, samples, time.perf_counter() - start))
 
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
-
 
 def main(args):
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
@@ -171,7 +165,7 @@ def main(args):
     train_data = DataLoader(train_set, sampler=sampler, batch_size=None, generator=torch.Generator())
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

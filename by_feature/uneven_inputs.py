@@ -3,12 +3,10 @@
     torchrun --standalone --nproc_per_node=2 by_feature/uneven_inputs.py            # rank 1 has twice rank 0's data
     torchrun --standalone --nproc_per_node=2 by_feature/uneven_inputs.py --no_join --timeout 10   # what Join prevents
 
-Rank r gets a share of the data proportional to r + 1. Without Join, the rank that runs out first waits in its next
-collective for the others, which wait for an all-reduce it never joins: a hang until --timeout. Join has a rank
-that ran out shadow the others' all-reduces until all are done. It pays when data cannot be split evenly: whole
-files or documents per rank, or samples of very different cost.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+Rank r gets a share of the data proportional to r + 1. Without Join, the rank that runs out first waits for the
+others, which wait for an all-reduce it never joins: a hang until --timeout. Join has it shadow their all-reduces
+until all are done. It pays when data cannot be split evenly: whole files per rank, samples of very different cost.
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
 import sys
@@ -29,7 +27,7 @@ from ddp_common.devices import check_backend, share_cores
 from ddp_common.models import LinearClassifier
 from ddp_common.progress import summary_line
 from ddp_common.rendezvous import group_store
-from ddp_common.sharding import ShardSampler, shard_sizes, without_join
+from ddp_common.sharding import ShardSampler, without_join
 
 DATASET_SIZE = 4096
 
@@ -45,13 +43,18 @@ class Trainer:
         self.snapshot_path = args.snapshot_path
         self.epochs_run = 0
         self.join, self.timeout = not args.no_join, args.timeout
-        self.batches = [-(-size // train_data.batch_size) for size in shard_sizes(len(train_data.dataset),
-                                                                                 dist.get_world_size(), uneven=True)]
+        self.batches = train_data.sampler.batches_per_rank(train_data.batch_size)
+        self.log(f"Uneven shards: {', '.join(map(str, self.batches))} batches on ranks 0 to {len(self.batches) - 1} | "
+                 f"{'Join' if self.join else 'no Join'}")
         # Every rank reads the snapshot (None: a fresh start); rank 0, which writes it, checks now that it can.
         state = snapshot.claim(self.snapshot_path, saves=self.rank == 0)
         if state is not None:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
+
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
 
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
@@ -83,15 +86,13 @@ class Trainer:
         self.train_data.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # Loss sum, correct, samples: kept on the device and read once an epoch (.item() per step would stall).
         stats = torch.zeros(3, device=self.device)
-        # Join: a rank that has run out of batches all-reduces zeros alongside the others until every rank has run
-        # out; then all take the weights of the rank that finished last.
+        # Join: ranks out of batches all-reduce zeros with the others; at the end all take the last one's weights.
         with Join([self.model]) if self.join else without_join(self.batches, self.timeout):
             for source, targets in self.train_data:
                 loss_sum, correct = self.run_batch(source.to(self.device), targets.to(self.device))
                 stats += torch.stack([loss_sum, correct, torch.tensor(len(targets), device=self.device)])
-        # Join leaves the optimizers alone: a rank that stopped early skipped the others' last steps, and its
-        # momentum is stale. The optimizer state of the rank that finished last (the highest of those with the
-        # most batches, as Join picks it) goes to every rank.
+        # Join re-syncs the weights, not the optimizers: a rank that stopped early has stale momentum. All take the
+        # optimizer state of the rank that finished last (Join's pick: the highest rank of those with most batches).
         last = max(rank for rank, count in enumerate(self.batches) if count == max(self.batches))
         box = [self.optimizer.state_dict()]
         dist.broadcast_object_list(box, src=last)
@@ -108,8 +109,6 @@ class Trainer:
         steps_per_epoch = len(self.train_data)
         self.log(f"{dist.get_world_size()} ranks | {steps_per_epoch} steps per epoch of "
                  f"{self.train_data.batch_size} samples per rank | device {self.device}")
-        self.log(f"Uneven shards: {', '.join(map(str, self.batches))} batches on ranks 0 to {len(self.batches) - 1} | "
-                 f"{'Join' if self.join else 'no Join'}")
         start, loss, samples = time.perf_counter(), float("nan"), 0
         for epoch in range(self.epochs_run, max_epochs):
             epoch_start = time.perf_counter()
@@ -121,10 +120,6 @@ class Trainer:
                 self.save_snapshot(epoch)
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
-
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
 
 
 def main(args):
@@ -151,7 +146,7 @@ def main(args):
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 
@@ -159,6 +154,5 @@ if __name__ == "__main__":
     parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
                                  distributed=True)
     cli.add_linear_args(parser)  # --input_size, --lr
-    parser.add_argument("--no_join", action="store_true",
-                        help="train without Join: the ranks wait for each other until --timeout, then stop")
+    parser.add_argument("--no_join", action="store_true", help="train without Join (the ranks hang until --timeout)")
     cli.run(main, parser)

@@ -4,8 +4,7 @@
 
 It pays when the optimizer state (Adam's two moments: twice the model) is what does not fit: each rank holds 1 /
 world size of it. The snapshot holds the whole state, consolidated on rank 0.
-torchrun_ddp.py is the base, and each file in by_feature/ is the base plus one feature:
-`diff -u torchrun_ddp.py by_feature/FEATURE.py` shows what the feature costs (docs/features.md).
+by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ddp_common import cli, snapshot
 from ddp_common.data import classification_dataset
 from ddp_common.devices import check_backend, share_cores
-from ddp_common.memory import optimizer_state_bytes
+from ddp_common.memory import optimizer_state_report
 from ddp_common.models import LinearClassifier
 from ddp_common.progress import summary_line
 from ddp_common.rendezvous import group_store
@@ -47,6 +46,10 @@ class Trainer:
         if state is not None:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
+
+    def log(self, text):
+        if self.rank == 0:
+            print(text)
 
     def load_snapshot(self, state):
         self.model.load_state_dict(state["model"])
@@ -105,14 +108,7 @@ class Trainer:
                 self.save_snapshot(epoch)
         epochs = max_epochs - self.epochs_run
         self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
-        held = [None] * dist.get_world_size()  # the bytes of optimizer state each rank holds: its shard
-        dist.all_gather_object(held, optimizer_state_bytes(self.optimizer))
-        self.log(f"Optimizer state | {', '.join(map(str, held))} bytes on ranks 0 to {len(held) - 1} ({sum(held)} in "
-                 f"all) | {type(self.optimizer).__name__}")
-
-    def log(self, text):
-        if self.rank == 0:
-            print(text)
+        self.log(optimizer_state_report(self.optimizer))  # a collective: the bytes each rank holds, its shard
 
 
 def main(args):
@@ -139,7 +135,7 @@ def main(args):
     train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
-    del trainer, optimizer  # DDP and ZeRO hold the process group: free them first, so destroy_process_group frees it
+    del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
     dist.destroy_process_group()
 
 

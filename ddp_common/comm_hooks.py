@@ -139,6 +139,11 @@ class CommHook:
         """What this rank handed to all-reduce in its last synchronising step (after warm-up: compressed)."""
         return self.last_step_bytes
 
+    def report(self):
+        """The line a run ends with: bytes_per_step(), beside what DDP all-reduces without a hook."""
+        return (f"Communication | hook {self.name} | {self.bytes_per_step()} bytes all-reduced per step and rank "
+                f"({self.full_bytes} without a hook)")
+
     def state_dict(self):
         """PowerSGD's state on this rank (None for the other hooks): the step count, the error feedback (which
         differs between ranks), the factors of the last step, and its random generator."""

@@ -16,6 +16,14 @@ def optimizer_state_bytes(optimizer):
                         for value in state.values() if torch.is_tensor(value))
 
 
+def optimizer_state_report(optimizer):
+    """Every rank calls it (a collective): the line that says how many bytes of optimizer state each rank holds."""
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, optimizer_state_bytes(optimizer))
+    return (f"Optimizer state | {', '.join(map(str, held))} bytes on ranks 0 to {len(held) - 1} ({sum(held)} in all) | "
+            f"{type(optimizer).__name__}")
+
+
 def held_bytes(tensors):
     """The bytes of memory this rank holds for `tensors`, each storage counted once: a DTensor's local shard
     with FSDP's padding, a plain tensor whole."""

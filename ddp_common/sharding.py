@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ddp_common.cli import is_transport_error
-from ddp_common.errors import PeerLostError
+from ddp_common.errors import PeerLostError, UsageError
 
 
 def shard_sizes(size, world_size, uneven=False):
@@ -55,6 +55,10 @@ class ShardSampler(Sampler):
 
     def __len__(self):
         return shard_sizes(self.size, self.world_size, self.uneven)[self.rank]
+
+    def batches_per_rank(self, batch_size):
+        """Every rank's number of batches of `batch_size` (the last one may be short), in rank order."""
+        return [-(-size // batch_size) for size in shard_sizes(self.size, self.world_size, self.uneven)]
 
 
 @contextlib.contextmanager
@@ -105,6 +109,14 @@ class GlobalOrderSampler:
 
     def set_epoch(self, epoch, position=0):
         self.epoch, self.position = epoch, position
+
+    def check_snapshot(self, state, path):
+        """A UsageError when the snapshot `state` (read from `path`) was made with another dataset size or seed: its
+        position counts into another epoch's order, and would mean nothing here."""
+        for key, here in (("dataset_size", self.size), ("seed", self.seed)):
+            if state[key] != here:
+                raise UsageError(f"{path} was made with another {key.replace('_', ' ')} ({state[key]}, here {here}): "
+                                 "its position means nothing here; move it away to start afresh")
 
     def order(self):
         return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))

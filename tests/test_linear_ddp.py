@@ -105,6 +105,16 @@ def test_amp_trains_in_bf16_on_cpu(big_batch_run, tmp_path):
         assert a.loss != f.loss and abs(a.loss - f.loss) < 0.05 * f.loss, (amp, fp32)
 
 
+def test_amp_resumes_a_snapshot_of_the_base(tmp_path):
+    """The base's snapshot holds no scaler state: mixed_precision.py goes on from it with a fresh scaler."""
+    run(torchrun_ddp_cmd("--total_epochs", "1", "--snapshot_path", "base.pt"), cwd=tmp_path)
+    result = run(torchrun_ddp_cmd("--total_epochs", "2", "--snapshot_path", "base.pt",
+                                  script="by_feature/mixed_precision.py"), cwd=tmp_path)
+    assert "Resuming from base.pt at epoch 1" in result.stdout, result.stdout[-3000:]
+    assert [line.epoch for line in epoch_lines(result.stdout)] == [1], result.stdout[-3000:]
+    assert "scaler" in torch.load(tmp_path / "base.pt", weights_only=False), "the next save holds the scaler's state"
+
+
 def ddp_py(*args):
     return python_cmd("ddp.py", "--backend", "gloo", "--world_size", "2", *SMALL, *args)
 

@@ -130,7 +130,7 @@ class Trainer:
 
 def main(args):
     if args.evaluate and not os.path.exists(args.snapshot_path):
-        raise UsageError(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first, or pass another")
+        raise UsageError(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first or pass --snapshot_path")
     # torchrun numbers the processes: RANK across all nodes, LOCAL_RANK on this node (it picks the GPU).
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])

@@ -14,7 +14,9 @@ the group's key-value store, a side channel that still works when the collective
   those that did not answer are gone (their connection closed: killed, crashed or aborted) or alive but stuck in
   their own code (the connection is open), whether this rank is the one that stopped, and where to look next.
   gloo also closes a rank's connections when a collective of its times out: a connection that closed half of
-  --timeout or more into this rank's collective may be a live peer's, and is waited for as after a timeout.
+  --timeout or more into this rank's collective may be a live peer's, and is waited for as after a timeout;
+  with more than 2 ranks, one closed so late next to an answering rank's timeout is that rank's doing and
+  names no rank gone, and one closed early names a silent rank gone only where it is the only one silent.
 - It writes this rank's flight recorder dump where torchfrtrace reads it: one folder per failure under
   fr_traces/, or TORCH_FR_DUMP_TEMP_FILE's prefix (torch's variable) followed by the rank.
 
@@ -214,6 +216,18 @@ def _peer_may_have_timed_out(me):
     return me["waited_s"] >= 0.5 * me["timeout_s"]
 
 
+def _shows_a_rank_gone(entries):
+    """Whether the views of the ranks that answered show that some rank is gone: a connection that closed early
+    (_peer_may_have_timed_out: a peer that died), or one that closed later with no answering rank whose own
+    timeout could have closed it. With more than 2 ranks, one rank's timeout closes its connections to every
+    other rank: a late "Connection closed by peer" next to an answering rank's "Timed out" is that rank's doing,
+    and says nothing of the ranks that did not answer."""
+    closed = [entry for entry in entries.values() if entry["cause"] == "closed"]
+    if any(not _peer_may_have_timed_out(entry) for entry in closed):
+        return True
+    return bool(closed) and not any(entry["cause"] == "timeout" for entry in entries.values())
+
+
 def _ask_others(store, me, world_size):
     """Publish `me`, wait for the others' entries (at most WAIT_S, or --timeout if shorter); returns (entries by
     rank, the dump folder the ranks agreed on)."""
@@ -371,9 +385,15 @@ def compose(me, entries, world_size, stopped=False, store_lost=False, dumps=None
         if silent:
             absent = sorted(set(silent) | {r for entry in entries.values() for r in entry.get("absent", [])})
             who, what = _ranks(silent), "its" if len(silent) == 1 else "their"
-            if any(entry["cause"] == "closed" for entry in entries.values()):
+            if _shows_a_rank_gone(entries) and len(silent) == 1:
                 parts.append(f"{who} did not answer: gone, {what} connection closed (killed, crashed, aborted or "
                              "finished; the launcher's report says how it ended, and its own output why)")
+            elif _shows_a_rank_gone(entries):
+                # A closed connection shows one rank gone, not which: the others may be alive, slow to answer
+                # or stopped by the launcher before they could.
+                parts.append(f"{who} did not answer: at least one of them is gone, a connection closed (killed, "
+                             "crashed, aborted or finished; the launcher's report says which and how it ended)"
+                             + ("; the launcher stopped this rank before all had answered" if stopped else ""))
             elif stopped:
                 parts.append(f"{who} had not answered when the launcher stopped this rank")
             else:

@@ -80,10 +80,10 @@ def ends_in_time(lines, fault_fragment, deadline=DEADLINE_S):
     return took
 
 
-def hangs_py(cwd, fault, detail=False, aborts=False):
-    """hangs.py under torchrun, rank 1 breaking at step 3: watch()'s (exit code, lines)."""
+def hangs_py(cwd, fault, detail=False, aborts=False, nproc=2):
+    """hangs.py under torchrun (`nproc` ranks), rank 1 breaking at step 3: watch()'s (exit code, lines)."""
     command = torchrun_cmd("hangs.py", "--fault", fault, "--fault_rank", "1", "--at_step", "3", "--timeout",
-                           str(TIMEOUT))
+                           str(TIMEOUT), nproc=nproc)
     return watch(command, cwd, clean_env(TORCH_DISTRIBUTED_DEBUG="DETAIL") if detail else clean_env(), aborts)
 
 
@@ -156,6 +156,21 @@ def test_a_rank_stuck_in_its_own_code_is_named_and_shows_where_it_waits(tmp_path
     assert any(line.strip().endswith(" in stall") for _, line in lines), "\n".join(l for _, l in lines)[-3000:]
     assert dumps(tmp_path) and all(ranks == [0] for ranks in dumps(tmp_path).values())
     assert "--allow-incomplete-ranks" in line, line
+
+
+def test_at_3_ranks_a_stuck_rank_is_named_stuck_by_both_others(tmp_path):
+    """Ranks 0 and 2 both wait --timeout for rank 1; the first to time out closes its connections to the other,
+    which may see "Connection closed by peer" a moment before its own timeout. That closure is a live rank's
+    timeout, not rank 1's death: both name rank 1 alive and stuck (hangs._shows_a_rank_gone)."""
+    code, lines = hangs_py(tmp_path, "stall", nproc=3)
+    assert code != 0
+    found = error_lines(lines)
+    assert len(found) == 2, found
+    for line in found:
+        assert line.startswith("error: lost contact with the other ranks at collective #"), line
+        assert f"rank 1 did not arrive within --timeout {TIMEOUT}s and did not answer either" in line, line
+        assert "stuck in its own code" in line and "gone" not in line, line
+    ends_in_time(lines, "rank 1: --fault stall at step 3")
 
 
 @pytest.mark.quick
@@ -349,6 +364,28 @@ def test_the_line_names_the_odd_rank_out_and_the_silent_ones():
     assert "this rank (1) is the one that stopped: it spent 12s in its own code" in hangs.compose(late, {1: late}, 2)
     lost = hangs.compose(entry(1, cause="closed"), {}, 2, store_lost=True)
     assert "rank 0, which hosts it, is gone" in lost, lost
+
+
+@pytest.mark.quick
+def test_at_3_ranks_a_connection_closed_by_another_ranks_timeout_names_no_rank_gone():
+    """Rank 1 stuck; rank 0 times out first and closes its connections, so rank 2 sees "Connection closed by
+    peer" --timeout into its collective: rank 0's doing, not rank 1's death."""
+    closed_late = entry(2, cause="closed", waited_s=5.0, error="Connection closed by peer [127.0.0.1]:40000")
+    views = {0: entry(0, waited_s=5.0), 2: closed_late}
+    for me in views.values():
+        line = hangs.compose(me, views, 3)
+        assert "rank 1 did not arrive within --timeout 5s and did not answer either: alive" in line, line
+        assert "gone" not in line, line
+    # Closed as late with no answering rank's timeout to explain it, or closed early: rank 1 is gone.
+    alone = {0: entry(0, cause="closed", waited_s=5.0), 2: closed_late}
+    assert "rank 1 did not answer: gone, its connection closed" in hangs.compose(alone[2], alone, 3)
+    early = {0: entry(0, waited_s=5.0), 2: entry(2, cause="closed", waited_s=0.1)}
+    assert "rank 1 did not answer: gone, its connection closed" in hangs.compose(early[2], early, 3)
+    # Rank 2 stopped by the launcher before rank 0 answered: a closed connection shows one rank gone, not which.
+    stopped = entry(2, cause="closed", waited_s=0.1)
+    line = hangs.compose(stopped, {2: stopped}, 3, stopped=True)
+    assert "ranks 0, 1 did not answer: at least one of them is gone" in line, line
+    assert "the launcher stopped this rank before all had answered" in line, line
 
 
 def test_the_cost_benchmark_runs_and_writes_its_figures(tmp_path):

@@ -27,7 +27,6 @@ from ddp_common import cli, teardown
 from ddp_common.checkpoint_dir import CheckpointDir
 from ddp_common.data import regression_dataset
 from ddp_common.devices import check_backend, share_cores
-from ddp_common.errors import UsageError
 from ddp_common.memory import memory_report
 from ddp_common.models import BlockMLP
 from ddp_common.progress import summary_line
@@ -64,10 +63,7 @@ class Trainer:
                 "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch}
 
     def resume_at(self, where, path):
-        for key, here in (("dataset_size", self.sampler.size), ("seed", self.sampler.seed)):
-            if where.get(key, here) != here:  # the position counts into the order these make
-                raise UsageError(f"{path} was made with another {key.replace('_', ' ')} ({where[key]}, here {here}): "
-                                 "its position means nothing here; move it away to start afresh")
+        self.sampler.check_snapshot(where, path)  # its position counts into one dataset's and seed's order
         self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
         self.log(f"Resuming from {path} at epoch {self.epochs_run}"
                  + (f", sample {self.position} of {self.sampler.size}" if self.position else ""))

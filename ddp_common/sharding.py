@@ -114,7 +114,7 @@ class GlobalOrderSampler:
         """A UsageError when the snapshot `state` (read from `path`) was made with another dataset size or seed: its
         position counts into another epoch's order, and would mean nothing here."""
         for key, here in (("dataset_size", self.size), ("seed", self.seed)):
-            if state[key] != here:
+            if state.get(key, here) != here:  # a snapshot without the key predates it: nothing to compare
                 raise UsageError(f"{path} was made with another {key.replace('_', ' ')} ({state[key]}, here {here}): "
                                  "its position means nothing here; move it away to start afresh")
 

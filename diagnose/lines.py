@@ -1,0 +1,235 @@
+"""The words of diagnose: what a rank's frames and torch's flight recorder say, and the one line for the job.
+
+Pure functions of what the ranks reported (dicts that json carries through the store), so that each case is
+tested without a job; torch is imported only to write a flight recorder dump.
+"""
+import os
+import pickle
+import re
+import signal
+import sysconfig
+import time
+
+DOCS = "docs/hangs.md"
+DUMP_ROOT = "fr_traces"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Frames in these folders are not the user's: torch, the standard library, installed packages, this tool.
+_NOT_USER = tuple({os.path.abspath(p) + os.sep for p in (
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], _HERE)})
+
+
+def one_line(error, limit=300):
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def short_error(text):
+    """A gloo or NCCL message without its source paths and boilerplate."""
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h|hpp):\d+\] ", "", " ".join(text.split()))
+    text = re.sub(r"Exception raised from .*$", "", text).strip()
+    return one_line(text.split(". This is typically caused")[0], 160)
+
+
+def lost_peer(error):
+    """Whether an exception is a collective that failed because a peer left or did not arrive."""
+    import torch.distributed as dist
+    text = str(error)
+    return isinstance(error, getattr(dist, "DistError", ())) or any(marker in text for marker in (
+        "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+        "NCCL communicator was aborted", "ncclRemoteError", "Timed out waiting", "failed to pass monitoredBarrier"))
+
+
+def _is_user(filename):
+    if filename.startswith("<"):
+        return False
+    return not os.path.abspath(filename).startswith(_NOT_USER)
+
+
+def user_site(frames):
+    """('file:line' of the innermost frame of the user's code, 'function' of the innermost frame of all where
+    that is not the user's), from traceback frames, outermost first."""
+    frames = list(frames)
+    user = [f for f in frames if _is_user(f.filename)]
+    where = None
+    if user:
+        f = user[-1]
+        relative = os.path.relpath(f.filename)
+        where = f"{os.path.basename(f.filename) if relative.startswith('..') else relative}:{f.lineno}"
+    inner = None
+    if frames and (not user or frames[-1] is not user[-1]):
+        last = frames[-1]
+        inner = f"{os.path.splitext(os.path.basename(last.filename))[0]}.{last.name}"
+    return where, inner
+
+
+def in_backward(frames):
+    return any(f.name in ("backward", "_engine_run_backward") and "torch" in f.filename for f in frames)
+
+
+def describe_entry(entry, waited=None):
+    """A flight recorder entry as the line needs it."""
+    sizes = entry.get("input_sizes") or []
+    shapes = ", ".join("[" + ", ".join(map(str, size)) + "]" for size in sizes[:3]) + (", ..." if len(sizes) > 3 else "")
+    group = entry.get("process_group") or ("", "")
+    return {"seq": entry.get("collective_seq_id"), "kind": str(entry.get("profiling_name", "")).split(":")[-1] or None,
+            "shapes": shapes or None, "group": str(group[1] or group[0]), "waited": waited}
+
+
+def dump_folder(when):
+    return os.path.join(DUMP_ROOT, time.strftime("%Y%m%d-%H%M%S", time.localtime(when)))
+
+
+def write_dump(rank, folder):
+    """This rank's flight recorder dump, with stacks, where torchfrtrace reads it; whether it was written.
+    torch 2.13's gloo records its groups' configuration under an empty name, which torchfrtrace cannot read
+    (KeyError): each group of this process is named as its entries name it."""
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+    try:
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
+    except Exception:  # noqa: BLE001  the recorder is off
+        return False
+    if not dump.get("entries"):
+        return False
+    world = c10d._world
+    config = {}
+    for group, name in world.pg_names.items():
+        ranks = world.pg_group_ranks.get(group)
+        if ranks is not None:
+            desc = "default_pg" if group is world.default_pg else getattr(group, "group_desc", "") or "undefined"
+            config[str(name)] = {"name": str(name), "desc": desc, "ranks": str(sorted(ranks))}
+    for entry in dump["entries"]:
+        name, desc = (list(entry.get("process_group", ())) + ["", ""])[:2]
+        if str(name) in config:
+            config[str(name)]["desc"] = desc or config[str(name)]["desc"]
+    dump = {**dump, "pg_config": config,
+            "entries": [e for e in dump["entries"] if str(e.get("process_group", ("",))[0]) in config]}
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.path.join(folder, "rank_")
+    path = f"{prefix}{rank}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(dump, f)
+        os.replace(path + ".tmp", path)
+    except (OSError, pickle.PicklingError):
+        return False
+    return True
+
+
+def _ranks(ranks):
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def collective(entry, view=None, number=True):
+    """'#37 (all_reduce of [5569], DDP's gradients in backward() at train.py:70)'."""
+    parts = []
+    if entry and entry.get("kind"):
+        parts.append(entry["kind"] + (f" of {entry['shapes']}" if entry.get("shapes") else ""))
+    if view and view.get("backward"):
+        parts.append("DDP's gradients in backward()")
+    described = ", ".join(parts)
+    if view and view.get("where"):
+        described += (" " if described else "") + f"at {view['where']}"
+    if not number or not entry or entry.get("seq") is None:
+        return described or "a collective"
+    return f"#{entry['seq']}" + (f" ({described})" if described else "")
+
+
+def _ended(code):
+    if code is None:
+        return None
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _silent(rank, known):
+    """What is known of a rank that did not answer."""
+    pid = f"pid {known['pid']}" if known.get("pid") else None
+    where = ", ".join(filter(None, [pid, f"on {known['host']}" if known.get("host") else None]))
+    ended = _ended(known.get("exit"))
+    if ended:
+        return f"rank {rank} is gone: {ended} ({where})"
+    if known.get("alive") is False:
+        return f"rank {rank} is gone: its process ended ({where}; the launcher's report says how)"
+    if known.get("alive"):
+        return (f"rank {rank} is alive ({where}) but does not answer: stuck in native code that holds Python's "
+                f"lock; see where with `py-spy dump --native --pid {known['pid']}`")
+    return f"rank {rank} did not answer ({where or 'never registered'}): gone, or out of reach"
+
+
+def compose(question, answers, who, world_size):
+    """The one line, from the question (why it was asked), the answers of the ranks that answered, and what is
+    known of those that did not (`who`: pid, host, exit code, whether alive)."""
+    waiting = {r: v["running"][0] for r, v in answers.items() if v.get("running")}
+    elsewhere = sorted(r for r, v in answers.items() if not v.get("running") and not v.get("error"))
+    failed = {r: v for r, v in answers.items() if v.get("error")}
+    parts = []
+    # The collective: the one most waiting ranks are in (the asker's, if it failed).
+    signatures = {}
+    for rank, entry in sorted(waiting.items()):
+        signatures.setdefault((entry["seq"], entry["kind"], entry["shapes"], answers[rank].get("where")), []).append(rank)
+    asker = answers.get(question["by"], {})
+    if signatures:
+        main = max(signatures, key=lambda s: len(signatures[s]))
+        first = signatures[main][0]
+        head_entry, head_view = waiting[first], answers[first]
+    else:
+        head_entry, head_view = (asker.get("last") or {}), asker
+    if question["reason"] == "timeout":
+        head = (f"collective {collective(head_entry, head_view)} waited more than --timeout "
+                f"{question['timeout']:g}s")
+    else:
+        head = f"collective {collective(head_entry, head_view)} failed ({asker.get('error')})"
+    if len(signatures) > 1:
+        seqs = {s[0] for s in signatures}
+        sides = "; ".join(f"{_ranks(ranks)} in {collective(waiting[ranks[0]], answers[ranks[0]], len(seqs) > 1)}"
+                          for _, ranks in sorted(signatures.items(), key=lambda item: item[1]))
+        sizes = sorted(len(ranks) for ranks in signatures.values())
+        odd = ""
+        if len(sizes) == 2 and sizes[0] < sizes[1]:
+            odd = f"; {_ranks(min(signatures.values(), key=len))} is the odd one out"
+        parts.append(f"the ranks wait in different collectives: {sides}{odd} (a rank skipped a collective, or "
+                     "called another or another shape in its place)")
+    for rank in elsewhere:
+        view = answers[rank]
+        inner = f", in {view['inner']}" if view.get("inner") else ""
+        parts.append(f"rank {rank} did not arrive: it is alive, in its own code at {view.get('where') or '?'}{inner}")
+    silent = sorted(set(range(world_size)) - set(answers))
+    for rank in silent:
+        parts.append(_silent(rank, who.get(rank, {})))
+    if not parts:
+        if failed and len(failed) == len(answers) and not silent:
+            parts.append("every rank failed there: the link between them broke")
+        else:
+            parts.append("every rank is in it and it did not complete: the link between the ranks failed or is too "
+                         "slow, or a collective of another group holds it")
+    dumps = os.path.dirname(os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "")) or question["folder"]
+    incomplete = "" if not silent else " --allow-incomplete-ranks"
+    return (f"diagnose: {head}: " + "; ".join(parts)
+            + f"; flight recorder: `torchfrtrace {dumps}{incomplete}`; see {DOCS}")
+
+
+def store_lost(me, reason):
+    what = collective((me.get("running") or [{}])[0], me)
+    return (f"diagnose: collective {what} {'failed' if reason == 'failed' else 'waits'} and the group's store "
+            "does not answer either: its host (rank 0, or the launcher of its node) is gone or out of reach, so "
+            f"the other ranks could not be asked; see {DOCS}")
+
+
+def startup_cause(error):
+    """One line for the start-up failures people ask about most, or None."""
+    text = " ".join(str(error).split())
+    port = re.search(r"port: (\d+)", text)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (f"diagnose: port {port[1] if port else '(MASTER_PORT)'} is already in use on this host (another "
+                "job, or an earlier run still holding it): pass another --master_port / MASTER_PORT, or "
+                "--rdzv_endpoint=HOST:0 under torchrun --standalone")
+    if "NCCL" in text and ("no GPUs found" in text or "doesn't have NCCL" in text or "not available" in text):
+        return ("diagnose: NCCL needs CUDA GPUs, and this process sees none: use backend='gloo' on the CPU, or "
+                "dist.get_default_backend_for_device(torch.accelerator.current_accelerator(check_available=True))")
+    return None

@@ -1,0 +1,553 @@
+"""What `python -m diagnose` adds to each process of a job (see diagnose/__init__.py for what it does).
+
+Armed by the sitecustomize that the launch prefix puts on PYTHONPATH, it waits for torch.distributed to be
+imported and patches three places, and nothing else:
+
+- init_process_group: once the default group exists, this rank registers its pid and host in the group's store,
+  ties its life to its launcher's (a launcher SIGKILLed takes its workers with it), and starts two daemon
+  threads: a watchdog, which notices a collective that has waited longer than --timeout, and a listener, which
+  answers when another rank asks what this one is doing.
+- the uncaught-exception hooks (sys.excepthook, threading.excepthook, mp.spawn's wrapper of each process): a
+  collective that failed because a peer left becomes the same one line, asked of the other ranks.
+- in a launcher that is a Python process (torchrun's agent, mp.spawn's parent), reaping a child: a rank's exit
+  code or signal is written where the ranks of the node can read it, so that a dead rank is named with it.
+
+The watchdog costs one call per group every POLL_S seconds while collectives complete: each group's count of
+collectives issued. Only when the count stands still does it read torch's flight recorder (a few ms), and only
+for collectives still running.
+
+Private torch APIs used (each exercised by tests/test_diagnose.py::test_the_private_torch_apis_it_uses_exist,
+which names the one a torch upgrade removed):
+- torch._C._distributed_c10d._dump_fr_trace: the flight recorder's entries (torch exposes no public reader).
+- ProcessGroup._get_sequence_number_for_group: a group's count of collectives issued.
+- torch.distributed.distributed_c10d._get_default_store and _world: the default group's store and the groups.
+- torch.multiprocessing.spawn._wrap: the function mp.spawn runs in each process, where an exception is caught.
+"""
+import ctypes
+import importlib.abc
+import importlib.util
+import json
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+from diagnose import lines
+
+POLL_S = 0.5  # how often the watchdog looks at the groups' counts
+WAIT_S = 5.0  # the longest the rank that asks waits for the others' answers
+STORE_TIMEOUT_S = 5.0
+LINGER_S = 2.0
+EXIT_WAIT_S = 2.0
+SIGTERM_GRACE_S = 1.0  # how long a rank stopped by its launcher waits for its own error to start the question  # the longest the asking rank waits for a launcher of its node to report a dead rank's exit
+KEY = "diagnose/"
+EXIT_CODE = 1
+
+_state = {"armed": False, "round": False, "stopped": False, "exiting": False}
+_store = None  # this rank's own client of the default group's store
+_listener_store = None  # a second client, for the listener's blocking wait
+
+
+def arm():
+    """Called by the sitecustomize: patch torch.distributed, mp.spawn and child reaping once they are imported."""
+    if _state["armed"]:
+        return
+    _state["armed"] = True
+    _PATCHES["torch.distributed.distributed_c10d"] = _patch_c10d
+    _PATCHES["torch.multiprocessing.spawn"] = _patch_spawn
+    _PATCHES["multiprocessing.popen_fork"] = _patch_popen_fork
+    sys.meta_path.insert(0, _AfterImport())
+    _patch_subprocess()
+    if "multiprocessing.popen_fork" in sys.modules:  # imported before this ran: patch it where it is
+        _PATCHES.pop("multiprocessing.popen_fork")(sys.modules["multiprocessing.popen_fork"])
+
+
+# ---- settings, from the launch prefix ----
+
+def timeout_s():
+    return float(os.environ.get("DIAGNOSE_TIMEOUT", "300"))
+
+
+def keep_waiting():
+    return os.environ.get("DIAGNOSE_KEEP_WAITING") == "1"
+
+
+def node_dir():
+    """The folder this node's launch prefix made: ranks' pids, and the exit codes launchers saw."""
+    return os.environ.get("DIAGNOSE_DIR")
+
+
+# ---- patching after import ----
+
+_PATCHES = {}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES:
+            return None
+        patch = _PATCHES.pop(name)
+        sys.meta_path.remove(self)  # find the real module, not ourselves
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _patch_c10d(c10d):
+    init = c10d.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        try:
+            result = init(*args, **kwargs)
+        except BaseException as error:
+            _startup_failed(error)
+            raise
+        try:
+            _started(c10d)
+        except Exception as error:  # noqa: BLE001  the tool must never break the job it watches
+            _say(f"diagnose: not watching this rank ({lines.one_line(error)})")
+        return result
+
+    init_process_group.__wrapped__ = init
+    init_process_group.__doc__ = init.__doc__
+    c10d.init_process_group = init_process_group
+
+
+def _patch_spawn(spawn):
+    wrap = spawn._wrap
+
+    def _wrap(fn, i, args, *rest):
+        return wrap(_Guarded(fn), i, args, *rest)
+
+    # mp.spawn pickles its target by name: the name must lead to this function in the spawned process too.
+    _wrap.__module__, _wrap.__qualname__ = wrap.__module__, wrap.__qualname__
+    spawn._wrap = _wrap
+
+
+class _Guarded:
+    """mp.spawn's function, with this tool's look at an exception before mp.spawn's wrapper catches it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.fn(*args, **kwargs)
+        except Exception as error:
+            _uncaught(error)
+            raise
+
+
+def _patch_subprocess():
+    """torchrun's agent starts its workers with subprocess.Popen and reaps them with poll()."""
+    if not node_dir():
+        return
+    _write(os.path.join(node_dir(), "launchers", str(os.getpid())), "")
+    import subprocess
+    for name in ("poll", "wait"):
+        method = getattr(subprocess.Popen, name)
+
+        def reaping(self, *args, _method=method, **kwargs):
+            result = _method(self, *args, **kwargs)
+            if self.returncode is not None:
+                _record_exit(self.pid, self.returncode)
+            return result
+
+        setattr(subprocess.Popen, name, reaping)
+
+
+def _patch_popen_fork(module):
+    """mp.spawn's parent reaps its processes through multiprocessing's Popen.poll."""
+    if not node_dir():
+        return
+    poll = module.Popen.poll
+
+    def reaping(self, *args, **kwargs):
+        result = poll(self, *args, **kwargs)
+        if result is not None:
+            _record_exit(self.pid, result)
+        return result
+
+    module.Popen.poll = reaping
+
+
+def _record_exit(pid, code):
+    folder = node_dir()
+    if folder and os.path.exists(os.path.join(folder, "ranks", str(pid))):
+        path = os.path.join(folder, "exits", str(pid))
+        if not os.path.exists(path):
+            _write(path, str(code))
+
+
+def _write(path, text):
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def exit_of(pid):
+    """The exit code a launcher of this node saw for `pid` (negative: the signal), or None."""
+    folder = node_dir()
+    try:
+        with open(os.path.join(folder, "exits", str(pid))) as f:
+            return int(f.read())
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+# ---- a rank starts ----
+
+def _started(c10d):
+    global _store, _listener_store
+    if not c10d.is_initialized() or _store is not None:
+        return
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    _die_with_launcher()
+    if node_dir():
+        _write(os.path.join(node_dir(), "ranks", str(os.getpid())), str(rank))
+    store = c10d._get_default_store()
+    _store = store.clone()
+    _store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+    _store.set(f"{KEY}who/{rank}", json.dumps({"pid": os.getpid(), "ppid": os.getppid(),
+                                                "host": socket.gethostname()}))
+    _listener_store = store.clone()
+    _install_hooks()
+    threading.Thread(target=_watch, name="diagnose-watchdog", daemon=True).start()
+    threading.Thread(target=_listen, name="diagnose-listener", daemon=True).start()
+
+
+def _die_with_launcher():
+    """The kernel ends this process when its parent (the launcher) dies: a worker of an OOM-killed torchrun agent
+    would otherwise hold its GPU and its peers. Linux only; elsewhere nothing happens."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the call: nobody would send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install_hooks():
+    previous = sys.excepthook
+
+    def excepthook(kind, error, tb):
+        _uncaught(error)
+        previous(kind, error, tb)
+
+    sys.excepthook = excepthook
+    previous_thread = threading.excepthook
+
+    def thread_excepthook(hook_args):
+        _uncaught(hook_args.exc_value)
+        previous_thread(hook_args)
+
+    threading.excepthook = thread_excepthook
+    # The launcher stops the other ranks (SIGTERM) as soon as one exits, which may be while this rank is
+    # asking the others: hold it off for those seconds. Only where the script left SIGTERM as it was.
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame):
+    """The launcher stops this rank. When a peer died, that comes at the same moment as this rank's own error,
+    often first (mpirun, mp.spawn): give the error SIGTERM_GRACE_S to start the question, then go as SIGTERM
+    would have it."""
+    _state["stopped"] = True
+    if _state["round"]:
+        return
+    threading.Thread(target=_die_unless_asking, name="diagnose-sigterm", daemon=True).start()
+
+
+def _die_unless_asking():
+    deadline = time.monotonic() + SIGTERM_GRACE_S
+    while time.monotonic() < deadline:
+        if _state["round"]:
+            return
+        time.sleep(0.02)
+    try:  # die of SIGTERM, as without this tool (the launcher's report then says so): reset it in C, resend
+        ctypes.CDLL(None).signal(signal.SIGTERM, ctypes.c_void_p(0))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    finally:
+        os._exit(128 + signal.SIGTERM)
+
+
+# ---- the watchdog: a collective that waits too long ----
+
+def _groups():
+    from torch.distributed import distributed_c10d as c10d
+    return list(c10d._world.pg_names)
+
+
+def _counts():
+    counts = []
+    for group in _groups():
+        try:
+            counts.append(group._get_sequence_number_for_group())
+        except Exception:  # noqa: BLE001  a group being destroyed
+            counts.append(None)
+    return counts
+
+
+def running_collectives():
+    """The collectives of this process still running, oldest first: (seconds waited, flight recorder entry)."""
+    import torch
+    try:
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, True))
+    except Exception:  # noqa: BLE001  the recorder off, or a torch without it
+        return []
+    now = time.time_ns()
+    found = [((now - e["time_created_ns"]) / 1e9, e) for e in dump.get("entries", [])
+             if not e.get("retired") and e.get("time_created_ns")]
+    return sorted(found, key=lambda item: -item[0])
+
+
+def last_collective():
+    """The newest collective of the default group in the flight recorder, described; None without one."""
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+    try:
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
+        name = str(c10d._get_default_group().group_name)
+    except Exception:  # noqa: BLE001
+        return None
+    entries = [e for e in dump.get("entries", []) if str(e.get("process_group", ("",))[0]) == name]
+    return lines.describe_entry(entries[-1]) if entries else None
+
+
+def _watch():
+    import torch.distributed as dist
+    limit = timeout_s()
+    counts, next_look = None, 0.0
+    while not _state["round"]:
+        time.sleep(POLL_S)
+        if not dist.is_initialized():
+            return
+        now = time.monotonic()
+        current = _counts()
+        if current != counts:  # collectives complete: nothing to look at
+            counts, next_look = current, now + min(limit, 2.0)
+            continue
+        if now < next_look:
+            continue
+        running = running_collectives()
+        if not running:
+            next_look = float("inf")  # nothing runs: this rank is in its own code until a count moves
+            continue
+        waited = running[0][0]
+        if waited < limit:
+            next_look = now + (limit - waited)
+            continue
+        question = _ask("timeout", waited)
+        if question is not None:
+            _finish(question)
+
+
+def _listen():
+    """Answer when another rank asks: wait on the store for the question, as long as the group lives."""
+    try:
+        _listener_store.wait([KEY + "round"], timedelta(days=365))
+        if _state["round"]:
+            return  # this rank asked, or answers already
+        _state["round"] = True
+        question = json.loads(_listener_store.get(KEY + "round"))
+        _store.set(f"{KEY}view/{_rank()}", json.dumps(view()))
+    except Exception:  # noqa: BLE001  the store went (the job ended, or its host died): nothing to answer
+        return
+    _finish(question)
+
+
+def _rank():
+    import torch.distributed as dist
+    return dist.get_rank()
+
+
+# ---- a collective failed: an uncaught exception ----
+
+def _uncaught(error):
+    """An exception reached the top of a rank: if it is a collective that lost a peer, one line and exit."""
+    import torch.distributed as dist
+    if _store is None or not dist.is_initialized() or not lines.lost_peer(error) or _state["exiting"]:
+        return
+    if _state["round"]:  # the watchdog or the listener has it in hand: let it end the process
+        time.sleep(WAIT_S + 3 * STORE_TIMEOUT_S)
+        return
+    question = _ask("failed", None, error)
+    if question is not None:
+        _finish(question)
+
+
+# ---- asking the others ----
+
+def view(error=None):
+    """What this rank is doing: a dict that json carries to the others."""
+    me = {"rank": _rank(), "pid": os.getpid(), "host": socket.gethostname(), "error": None}
+    running = running_collectives()
+    me["running"] = [lines.describe_entry(entry, waited) for waited, entry in running[:3]]
+    if error is not None and not running:
+        me["last"] = last_collective()
+    frames = None
+    if error is not None:
+        frames = traceback.extract_tb(error.__traceback__)
+        me["error"] = lines.short_error(str(error))
+    else:
+        main = sys._current_frames().get(threading.main_thread().ident)
+        if main is not None:
+            frames = traceback.extract_stack(main)
+    me["where"], me["inner"] = lines.user_site(frames or [])
+    me["backward"] = lines.in_backward(frames or [])
+    return me
+
+
+def _ask(reason, waited, error=None):
+    """Post the question, or find another rank's; post this rank's view. The question, with the line the job
+    prints once the asking rank has composed it (None: the store does not answer; this rank said so)."""
+    _state["round"] = True
+    import torch.distributed as dist
+    world_size = dist.get_world_size()
+    me = view(error)
+    question = {"by": me["rank"], "reason": reason, "waited": waited, "timeout": timeout_s(),
+                "folder": lines.dump_folder(time.time())}
+    try:
+        current = _store.compare_set(KEY + "round", "", json.dumps(question)).decode()
+        question = json.loads(current) if current else question
+        _store.set(f"{KEY}view/{me['rank']}", json.dumps(me))
+    except Exception:  # noqa: BLE001  the store does not answer: its host (rank 0 or the launcher) is gone
+        _say(lines.store_lost(me, reason))
+        _exit()
+    if question["by"] != me["rank"]:  # another rank asked first: its line is the job's
+        return question
+    answers = {me["rank"]: me}
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for rank in range(world_size):
+            if rank not in answers and _store.check([f"{KEY}view/{rank}"]):
+                answers[rank] = json.loads(_store.get(f"{KEY}view/{rank}"))
+        silent = [r for r in range(world_size) if r not in answers]
+        if not silent or all(_gone(r) for r in silent):
+            break
+        time.sleep(0.05)
+    who = {r: _who(r) for r in range(world_size) if r not in answers}
+    local = {r: known for r, known in who.items() if known.get("pid") and known.get("host") == me["host"]}
+    # A launcher that is a Python process of this job (torchrun's agent, mp.spawn's parent) reports a dead
+    # rank's exit within its monitor interval; mpirun and srun do not.
+    reported = {r: k for r, k in local.items() if _launcher_reports(k.get("ppid"))}
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while any(exit_of(k["pid"]) is None and not _alive(k) for k in reported.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for known in local.values():
+        known["exit"], known["alive"] = exit_of(known["pid"]), _alive(known)
+    line = lines.compose(question, answers, who, world_size)
+    try:
+        _store.compare_set(KEY + "line", "", line)
+    except Exception:  # noqa: BLE001
+        pass
+    question["line"], question["answered"] = line, len(answers)
+    return question
+
+
+def _finish(question):
+    """Print the job's line (one rank a host: the first to claim it), write this rank's flight recorder dump,
+    and end this rank (unless --keep-waiting)."""
+    _state["exiting"] = True
+    line = question.get("line") or _wait_line()
+    if line:
+        try:
+            claimed = _store.compare_set(f"{KEY}printed/{socket.gethostname()}", "", str(os.getpid())).decode()
+        except Exception:  # noqa: BLE001  no store: say it here
+            claimed = str(os.getpid())
+        if claimed == str(os.getpid()):
+            _say(line + (" (--keep-waiting: the job goes on waiting)" if keep_waiting() else ""))
+    lines.write_dump(_rank(), question["folder"])
+    if question.get("answered"):
+        # The asking rank may host the store (rank 0 does under mp.spawn and plain launches): stay until the
+        # ranks that answered have read the line, or LINGER_S.
+        deadline = time.monotonic() + LINGER_S
+        try:
+            while _store.add(KEY + "read", 0) < question["answered"] - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001
+            pass
+    if not keep_waiting():
+        _exit()
+
+
+def _exit():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
+
+
+def _wait_line():
+    deadline = time.monotonic() + WAIT_S + 2 * STORE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if _store.check([KEY + "line"]):
+                line = _store.get(KEY + "line").decode()
+                _store.add(KEY + "read", 1)
+                return line
+        except Exception:  # noqa: BLE001  the asking rank's store went with it
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def _who(rank):
+    try:
+        return json.loads(_store.get(f"{KEY}who/{rank}"))
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _alive(known):
+    """Whether the process `known` describes still runs (not a zombie), on this host."""
+    try:
+        with open(f"/proc/{known['pid']}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, KeyError, IndexError):
+        return False
+
+
+def _gone(rank):
+    known = _who(rank)
+    return known.get("host") == socket.gethostname() and not _alive(known)
+
+
+def _launcher_reports(pid):
+    folder = node_dir()
+    return bool(folder and pid and os.path.exists(os.path.join(folder, "launchers", str(pid))))
+
+
+def _say(line):
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode(errors="backslashreplace"))
+
+
+def _startup_failed(error):
+    """init_process_group failed: a cause people ask about most, in one line, before torch's traceback."""
+    line = lines.startup_cause(error)
+    if line:
+        _say(line)

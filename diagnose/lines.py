@@ -152,6 +152,9 @@ def _silent(rank, known):
     pid = f"pid {known['pid']}" if known.get("pid") else None
     where = ", ".join(filter(None, [pid, f"on {known['host']}" if known.get("host") else None]))
     ended = _ended(known.get("exit"))
+    if ended and known.get("exit") == -signal.SIGABRT:
+        return (f"rank {rank} is gone: {ended} ({where}); gloo aborts a process whose peer's collective does not "
+                "match its own (another shape or kind): TORCH_DISTRIBUTED_DEBUG=DETAIL names both sides")
     if ended:
         return f"rank {rank} is gone: {ended} ({where})"
     if known.get("alive") is False:

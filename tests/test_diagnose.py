@@ -1,0 +1,298 @@
+"""python -m diagnose on a DDP script of the user's own: written here, torch only, no timeout given to
+init_process_group (gloo's default is 30 minutes), importing nothing of this repository. Under each launcher a
+rank is stopped, killed, skips a collective or calls another shape; the tool's one line names the rank, the
+collective and the script's line, and the job ends within --timeout plus about 30 seconds with nothing left
+running (conftest fails a test whose processes outlive it). srun's case is in test_slurm.py, beside its cluster.
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, clean_env, free_port, kill_launched, launched_pids, mpi_env, start
+
+TIMEOUT = 6  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
+DEADLINE_S = TIMEOUT + 30  # from the fault to the job's end
+HANG_GUARD_S = 180
+
+USER_SCRIPT = '''\
+"""A user's DDP script: torch only. FAULT=stall|die|skip|shape breaks rank FAULT_RANK at step AT_STEP."""
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+FAULT, FAULT_RANK, AT_STEP = os.environ.get("FAULT", ""), int(os.environ.get("FAULT_RANK", 1)), 3
+
+
+def train(rank, world_size):
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(int(os.environ.get("STEPS", 12))):
+        if FAULT and rank == FAULT_RANK and step == AT_STEP:
+            print(f"rank {rank}: {FAULT} at step {step}", flush=True)
+            if FAULT == "stall":
+                time.sleep(float(os.environ.get("STALL_S", 3600)))  # the stall
+            if FAULT == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+        loss = model(torch.randn(32, 20)).pow(2).mean()
+        loss.backward()  # the backward line
+        optimizer.step()
+        optimizer.zero_grad()
+        numbers = torch.tensor([float(step), loss.item()])
+        if FAULT == "shape" and rank == FAULT_RANK and step == AT_STEP:
+            numbers = torch.zeros(3)
+        if not (FAULT == "skip" and rank == FAULT_RANK and step == AT_STEP):
+            gathered = [torch.zeros_like(numbers) for _ in range(world_size)]
+            dist.all_gather(gathered, numbers)  # the all_gather line
+    print(f"rank {rank} done", flush=True)
+    del model  # DDP holds the group: free it first, or destroy_process_group cannot
+    dist.destroy_process_group()
+
+
+def spawned(rank, world_size):
+    train(rank, world_size)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "OMPI_COMM_WORLD_RANK" in os.environ:  # mpirun
+        train(int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"]))
+    elif "SLURM_PROCID" in os.environ:  # srun
+        train(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]))
+    elif "RANK" in os.environ:  # torchrun
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    else:
+        mp.spawn(spawned, args=(2,), nprocs=2)
+'''
+
+
+def user_script(directory):
+    path = Path(directory) / "user_ddp.py"
+    path.write_text(USER_SCRIPT)
+    return path
+
+
+def line_of(marker):
+    """'user_ddp.py:N', the line of USER_SCRIPT that holds `marker`."""
+    for number, text in enumerate(USER_SCRIPT.splitlines(), 1):
+        if marker in text:
+            return f"user_ddp.py:{number}"
+    raise AssertionError(marker)
+
+
+def diagnose_cmd(*launch, timeout=TIMEOUT, options=()):
+    return [sys.executable, "-m", "diagnose", "--timeout", str(timeout), *options, *map(str, launch)]
+
+
+def launch(launcher, script, nproc=2):
+    if launcher == "torchrun":
+        return [BIN / "torchrun", "--standalone", f"--nproc_per_node={nproc}", script]
+    if launcher == "mp.spawn":
+        return [sys.executable, script]
+    if launcher == "mpirun":
+        return [BIN / "mpirun", "-np", str(nproc), "--bind-to", "none", sys.executable, script]
+    raise ValueError(launcher)
+
+
+def env_for(launcher, **extra):
+    # The tool is run from the repository root, as the docs show; MASTER_PORT serves mp.spawn and mpirun.
+    base = mpi_env if launcher == "mpirun" else clean_env
+    return base(MASTER_PORT=free_port(), **extra)
+
+
+def watch(cmd, env, cwd=REPO):
+    """Run a launch to its end: (exit code, [(time, line)]); one still running after HANG_GUARD_S fails."""
+    process = start(cmd, cwd, env)
+    hung = threading.Event()
+    timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
+    timer.start()
+    lines = [(time.monotonic(), line.rstrip("\n")) for line in process.stdout]
+    process.wait()
+    timer.cancel()
+    if hung.is_set():
+        pytest.fail(f"still running after {HANG_GUARD_S}s:\n" + "\n".join(line for _, line in lines)[-3000:])
+    return process.returncode, lines
+
+
+def the_line(lines):
+    """The tool's line: exactly one (one host), whatever the launcher printed around it."""
+    found = [line for _, line in lines if line.startswith("diagnose: ")]
+    assert len(found) == 1, "\n".join(line for _, line in lines)[-5000:]
+    return found[0]
+
+
+def ended_in_time(lines, fault):
+    start_at = next(moment for moment, line in lines if f": {fault} at step" in line)
+    took = lines[-1][0] - start_at
+    assert took < DEADLINE_S, f"the job ended {took:.0f}s after the fault"
+
+
+LAUNCHERS = ["torchrun", "mp.spawn", "mpirun"]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_stalled_rank_is_named_with_the_line_where_it_stands(tmp_path, launcher):
+    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="stall"))
+    line = the_line(lines)
+    assert code != 0
+    assert line.startswith("diagnose: collective #12 (all_reduce of [1409], DDP's gradients in backward() at "
+                           f"{line_of('the backward line')}) waited more than --timeout {TIMEOUT}s"), line
+    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('the stall')}" in line, line
+    assert "torchfrtrace fr_traces/" in line, line
+    ended_in_time(lines, "stall")
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path, launcher):
+    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="die"))
+    line = the_line(lines)
+    assert code != 0
+    assert line.startswith(f"diagnose: collective #12 (all_reduce of [1409], DDP's gradients in backward() at "
+                           f"{line_of('the backward line')}) failed ("), line
+    # mpirun is no Python process: it cannot pass the signal on, and its own report names it.
+    gone = "rank 1 is gone: its process ended" if launcher == "mpirun" else "rank 1 is gone: killed by SIGKILL"
+    assert gone in line, line
+    killed = next(moment for moment, text in lines if ": die at step" in text)
+    said = next(moment for moment, text in lines if text.startswith("diagnose: "))
+    assert said - killed < 10, f"the line came {said - killed:.0f}s after the kill"
+
+
+def test_a_skipped_collective_names_both_sides_and_torchfrtrace_reads_the_dumps(tmp_path):
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env_for("torchrun", FAULT="skip"))
+    line = the_line(lines)
+    assert code != 0
+    assert (f"the ranks wait in different collectives: rank 0 in all_gather of [2] at {line_of('the all_gather line')}; "
+            f"rank 1 in all_reduce of [1409], DDP's gradients in backward() at {line_of('the backward line')}") in line, line
+    folder = line.split("torchfrtrace ")[1].split("`")[0]
+    assert sorted(p.name for p in (REPO / folder).iterdir()) == ["rank_0", "rank_1"]
+    try:
+        report = subprocess.run([BIN / "torchfrtrace", folder], cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["rm", "-rf", REPO / folder])
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "Culprit rank 1" in report.stdout + report.stderr, (report.stdout + report.stderr)[-3000:]
+
+
+def test_another_shape_is_named(tmp_path):
+    """gloo aborts a rank whose peer sends another shape: the survivor names the abort and its likely cause."""
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env_for("torchrun", FAULT="shape"))
+    line = the_line(lines)
+    assert code != 0
+    assert "killed by SIGABRT" in line and "another shape" in line, line
+
+
+def test_keep_waiting_prints_the_line_and_lets_the_job_finish(tmp_path):
+    """--keep-waiting: the line, then the job goes on; here the stall ends and the job finishes, exit 0."""
+    cmd = diagnose_cmd(*launch("torchrun", user_script(tmp_path)), options=["--keep-waiting"])
+    code, lines = watch(cmd, env_for("torchrun", FAULT="stall", STALL_S=TIMEOUT + 8, STEPS=6))
+    line = the_line(lines)
+    assert "rank 1 did not arrive" in line and line.endswith("(--keep-waiting: the job goes on waiting)"), line
+    assert code == 0, "\n".join(text for _, text in lines)[-3000:]
+    assert sum(text.endswith(" done") for _, text in lines) == 2
+
+
+def test_a_healthy_job_pays_nothing_and_the_next_sitecustomize_still_runs(tmp_path):
+    """A job that does not hang ends as without the tool; the tests' own sitecustomize (tests/support), which
+    counts each rank's collectives, still loads after the tool's."""
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))),
+                        env_for("torchrun", DDP_EXAMPLES_PROBE_COLLECTIVES=1))
+    output = "\n".join(text for _, text in lines)
+    assert code == 0, output[-3000:]
+    assert "diagnose:" not in output
+    # 12 steps: a gradient all_reduce and an all_gather each, after DDP's 5 collectives at construction.
+    assert output.count("issued 29 collectives") == 2, output[-3000:]
+
+
+def test_workers_end_when_their_launcher_is_sigkilled(tmp_path):
+    """An OOM-killed torchrun agent: under the tool its workers end within seconds instead of holding on."""
+    process = start(diagnose_cmd(*launch("torchrun", user_script(tmp_path)), timeout=600), REPO,
+                    env_for("torchrun", FAULT="stall"))
+    for line in process.stdout:
+        if ": stall at step" in line:
+            break
+    agent = next(pid for pid in launched_pids() if b"torchrun" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                 and b"diagnose" not in Path(f"/proc/{pid}/cmdline").read_bytes())
+    workers = [pid for pid in launched_pids() if Path(f"/proc/{pid}/stat").read_text().split()[3] == str(agent)]
+    assert len(workers) == 2
+    os.kill(agent, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+              for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
+                and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]], "workers outlived their agent"
+    process.stdout.read()
+    process.wait(timeout=30)
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, lines = watch(diagnose_cmd(sys.executable, user_script(tmp_path)), clean_env(MASTER_PORT=port))
+    line = the_line(lines)
+    assert code != 0 and f"port {port} is already in use" in line, line
+
+
+def test_nccl_without_a_gpu_is_one_line(tmp_path):
+    script = tmp_path / "nccl.py"
+    script.write_text('import torch.distributed as dist\ndist.init_process_group("nccl", rank=0, world_size=1)\n')
+    code, lines = watch(diagnose_cmd(sys.executable, script), clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()))
+    assert code != 0
+    assert "NCCL needs CUDA GPUs, and this process sees none" in the_line(lines)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "no launch command given"),
+    (["--timeout", "0", "torchrun"], "--timeout: must be more than 0"),
+    (["no-such-launcher", "x.py"], "no-such-launcher: command not found"),
+])
+def test_bad_input_is_one_line(args, message):
+    result = subprocess.run([sys.executable, "-m", "diagnose", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse's usage line, then the error
+
+
+def test_it_works_from_anywhere_with_the_repository_on_pythonpath(tmp_path):
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))),
+                        env_for("torchrun", FAULT="stall", PYTHONPATH=REPO), cwd=tmp_path)
+    assert code != 0 and "rank 1 did not arrive" in the_line(lines)
+    assert (tmp_path / "fr_traces").is_dir()
+
+
+def test_the_private_torch_apis_it_uses_exist():
+    """diagnose/rank.py's docstring lists the private torch APIs it uses; a torch upgrade that removes one fails
+    here, by name, instead of the tool going quiet."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    import torch.multiprocessing.spawn  # noqa: F401  (the name torch.multiprocessing.spawn is the function)
+    spawn = sys.modules["torch.multiprocessing.spawn"]
+    missing = [name for name, present in [
+        ("torch._C._distributed_c10d._dump_fr_trace", hasattr(torch._C._distributed_c10d, "_dump_fr_trace")),
+        ("ProcessGroup._get_sequence_number_for_group",
+         hasattr(dist.ProcessGroup, "_get_sequence_number_for_group")),
+        ("distributed_c10d._get_default_store", hasattr(c10d, "_get_default_store")),
+        ("distributed_c10d._world.pg_names", hasattr(getattr(c10d, "_world", None), "pg_names")),
+        ("torch.multiprocessing.spawn._wrap", hasattr(spawn, "_wrap")),
+        ("Store.clone", hasattr(dist.Store, "clone")),
+    ] if not present]
+    assert not missing, f"torch {torch.__version__} no longer has {missing}: diagnose/rank.py needs another way"
+    documented = (REPO / "diagnose" / "rank.py").read_text().split('"""')[1]
+    for name in ("_dump_fr_trace", "_get_sequence_number_for_group", "_get_default_store", "_wrap"):
+        assert name in documented, name

@@ -119,7 +119,7 @@ class RunSpan(TrainerCallback):
 
 
 def eval_metrics(prediction):
-    """Accuracy and loss over the evaluation set, each image counted once at any world size (docs/uneven-data.md).
+    """Accuracy and loss over the evaluation set, each image counted once at any world size (docs/train.md).
     The Trainer hands over the logits and labels of all ranks with the padding that evened out the ranks'
     shards already removed (accelerate's gather_for_metrics), so the counts are exact. Its own eval_loss is not:
     it averages per-batch means and weighs each rank's short last batch like a full one. The "loss" returned

@@ -5,7 +5,7 @@
 
 fp16 and bf16 cast each gradient bucket to 16 bits; PowerSGD sends low-rank factors of each gradient matrix and
 feeds what it left out into the next step (its state is in the snapshot). It pays when the network, not compute,
-bounds a step: many ranks over slow links, large layers (docs/communication.md).
+bounds a step: many ranks over slow links, large layers (docs/features.md, comm hooks).
 by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
 import os

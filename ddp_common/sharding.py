@@ -4,7 +4,7 @@ training uneven shards without Join comes to.
 DistributedSampler gives every rank a shard of the same length: it pads the last shards with samples from
 the start of the dataset (or, with drop_last=True, leaves the tail out). Equal shards keep the ranks' collectives
 in step, which training needs; but a metric summed over padded shards counts some samples twice, and one over
-shortened shards skips some, so either changes with the world size (docs/uneven-data.md).
+shortened shards skips some, so either changes with the world size (docs/features.md, exact evaluation).
 """
 import contextlib
 

@@ -269,7 +269,7 @@ def test_the_trainer_resumes_mid_epoch_at_another_world_size_with_every_sample_o
     resumed at 1 rank of 128 (the same global batch). accelerate shards one global order of batches among the
     ranks, and the Trainer skips the steps the checkpoint counts: every image of the interrupted epoch trained on
     once, as with step_checkpoints.py. (With another global batch it would skip the wrong number of images: the
-    Trainer counts steps, not samples; docs/features/step_checkpoints.md.)"""
+    Trainer counts steps, not samples; docs/features.md, step checkpoints.)"""
     first, second = tmp_path / "first", tmp_path / "second"
     flags = ("--data_dir", mnist_dir, "--output_dir", tmp_path / "out", "--max_train_samples", "1024",
              "--max_eval_samples", "64", "--num_train_epochs", "2", "--save_strategy", "steps", "--save_steps", "3",

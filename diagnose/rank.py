@@ -113,11 +113,16 @@ def _patch_c10d(c10d):
     init = c10d.init_process_group
 
     def init_process_group(*args, **kwargs):
+        timer = threading.Timer(timeout_s(), _init_waits_too_long, (kwargs.get("init_method"),))
+        timer.daemon = True
+        timer.start()
         try:
             result = init(*args, **kwargs)
         except BaseException as error:
             _startup_failed(error)
             raise
+        finally:
+            timer.cancel()
         try:
             _started(c10d)
         except Exception as error:  # noqa: BLE001  the tool must never break the job it watches
@@ -546,8 +551,46 @@ def _say(line):
     os.write(2, (line + "\n").encode(errors="backslashreplace"))
 
 
+def _init_waits_too_long(init_method):
+    """init_process_group has waited --timeout: for the rendezvous address to answer, or for the other ranks."""
+    address = init_method[len("tcp://"):] if init_method and init_method.startswith("tcp://") else \
+        f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=3):
+            answers = True
+    except (OSError, ValueError):
+        answers = False
+    rank, size = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    if answers:
+        line = (f"diagnose: init_process_group has waited {timeout_s():g}s: the store at {address} answers, but "
+                f"not all {size} ranks have joined; start the missing ones, or check WORLD_SIZE and each rank's RANK")
+    else:
+        line = (f"diagnose: init_process_group has waited {timeout_s():g}s: nothing answers at {address} (the "
+                "rendezvous address: MASTER_ADDR and MASTER_PORT, or init_method): start rank 0 (or the first "
+                "node) there, or give the address of the machine it runs on; a firewall can drop the connection")
+    if _claim("init"):
+        _say(line + (" (--keep-waiting: it goes on waiting)" if keep_waiting() else ""))
+    if not keep_waiting():
+        _exit()
+
+
+def _claim(what):
+    """Whether this process is the first of its node to say `what` (the node's folder keeps the claim)."""
+    folder = node_dir()
+    if not folder:
+        return True
+    try:
+        os.close(os.open(os.path.join(folder, f"said-{what}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+
+
 def _startup_failed(error):
     """init_process_group failed: a cause people ask about most, in one line, before torch's traceback."""
     line = lines.startup_cause(error)
-    if line:
+    if line and _claim("startup"):
         _say(line)

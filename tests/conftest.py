@@ -16,7 +16,19 @@ sys.path.insert(0, str(REPO))
 from benchmarks.launches import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_cmd, python_cmd,  # noqa: E402,F401
                                  torchrun_cmd)
 from ddp_common.mnist import read_idx, split_test_set, write_idx  # noqa: E402
-from ddp_common.rendezvous import free_port  # noqa: E402,F401
+from ddp_common.rendezvous import free_port as any_free_port  # noqa: E402
+
+def free_port(host="127.0.0.1"):
+    """A port nobody listens on right now. Under pytest-xdist (-n N), each worker takes only ports whose number
+    is its index modulo N: a port one worker picked and released can be taken by another before it is bound,
+    but never by a port the other worker picked."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    while True:
+        port = any_free_port(host)
+        if port % workers == index:
+            return port
+
 
 # The official MNIST test set's two IDX files, carried in the repository (data/mnist/README.md says where they
 # come from); MNIST_DIR points at another copy.

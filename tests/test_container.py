@@ -72,7 +72,7 @@ def unavailable():
 
 
 WHY_NOT = unavailable()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 
 class Podman:

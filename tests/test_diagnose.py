@@ -296,3 +296,16 @@ def test_the_private_torch_apis_it_uses_exist():
     documented = (REPO / "diagnose" / "rank.py").read_text().split('"""')[1]
     for name in ("_dump_fr_trace", "_get_sequence_number_for_group", "_get_default_store", "_wrap"):
         assert name in documented, name
+
+
+@pytest.mark.parametrize("rank, cause", [(1, "nothing answers at 127.0.0.1:"), (0, "answers, but not all 2 ranks have joined")])
+def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_path, rank, cause):
+    """One rank of two, started alone with no timeout of its own: rank 1 finds nothing at the address, rank 0
+    hosts the store and waits for rank 1. Either way one line after --timeout, instead of torch's 30 minutes."""
+    started = time.monotonic()
+    code, lines = watch(diagnose_cmd(sys.executable, user_script(tmp_path)),
+                        clean_env(RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()))
+    assert code != 0
+    line = the_line(lines)
+    assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: ") and cause in line, line
+    assert time.monotonic() - started < DEADLINE_S

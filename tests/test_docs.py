@@ -24,6 +24,8 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.M | re.S)
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 FLAG = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_-]*")
+DIAGNOSE_FLAGS_WITH_VALUES = {"--timeout"}
+DIAGNOSE_FLAGS = {"--keep-waiting", "--help", *DIAGNOSE_FLAGS_WITH_VALUES}
 LAUNCHER_FLAGS_WITH_VALUES = {"-np", "-n", "-H", "-x", "--host", "--map-by", "--bind-to", "-N"}
 
 
@@ -70,6 +72,11 @@ def program_and_script(tokens):
     tokens = [t for t in tokens if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", t)]  # VAR=value prefixes
     while tokens and tokens[0] in ("env", "exec", "time"):
         tokens = tokens[1:]
+    if tokens[1:3] == ["-m", "diagnose"]:  # the diagnosis prefix: its own options, then the launch command
+        tokens = tokens[3:]
+        while tokens and tokens[0].startswith("--"):
+            assert tokens[0] in DIAGNOSE_FLAGS, f"python -m diagnose has no flag {tokens[0]}"
+            tokens = tokens[2:] if tokens[0] in DIAGNOSE_FLAGS_WITH_VALUES else tokens[1:]
     if not tokens:
         return None
     program = Path(tokens[0]).name
@@ -126,6 +133,12 @@ def test_every_documented_command_names_a_script_and_flags_that_exist(page, prog
         for argument in launcher_flags:
             if match := FLAG.match(argument):
                 assert match[0] in accepted_flags("torchrun"), f"{page_id(page)}: torchrun has no flag {match[0]}"
+
+
+def test_the_diagnosis_prefix_flags_are_its_own():
+    from diagnose.__main__ import parser
+    options = {o for action in parser()._actions for o in action.option_strings if o.startswith("--")}
+    assert options == DIAGNOSE_FLAGS
 
 
 def test_every_page_shows_a_command_and_runs_at_most_one_block():

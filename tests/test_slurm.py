@@ -8,6 +8,7 @@ line) and the files' own environment knobs (EPOCHS, NPROC_PER_NODE, ...).
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from subprocess import PIPE
@@ -19,7 +20,7 @@ from conftest import (BIN, PROBE, REPO, assert_bitwise_equal, check_no_abort, cl
 from slurm_cluster import NODES, SlurmCluster, site_libmpi, unavailable
 
 WHY_NOT = unavailable()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 # Each job is bounded twice: Slurm ends it after JOB_MINUTES, the test stops waiting a little later.
 JOB_MINUTES = 5
@@ -228,3 +229,19 @@ def alive(pid):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_diagnose_under_srun_names_a_stalled_rank_and_its_line(cluster, tmp_path):
+    """python -m diagnose in front of srun: the user's own script (tests/test_diagnose.py's), one task on each of
+    two nodes; rank 1 stalls, and the one line names it, its line and the collective the other waits in."""
+    from test_diagnose import TIMEOUT, line_of, user_script
+    script = user_script(tmp_path)
+    env = job_env(FAULT="stall", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    result = cluster.run([sys.executable, "-m", "diagnose", "--timeout", TIMEOUT, "srun", "--time=3", "-N", "2",
+                          "--ntasks-per-node=1", "--cpus-per-task=1", sys.executable, script],
+                         cwd=REPO, env=env, timeout=180, check=False)
+    output = result.stdout + result.stderr
+    found = [line for line in output.splitlines() if line.startswith("diagnose: ")]
+    assert result.returncode != 0 and len(found) == 1, output[-4000:]
+    assert f"at {line_of('the backward line')}) waited more than --timeout {TIMEOUT}s" in found[0], found[0]
+    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('the stall')}" in found[0], found[0]

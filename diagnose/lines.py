@@ -36,7 +36,32 @@ def lost_peer(error):
     text = str(error)
     return isinstance(error, getattr(dist, "DistError", ())) or any(marker in text for marker in (
         "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-        "NCCL communicator was aborted", "ncclRemoteError", "Timed out waiting", "failed to pass monitoredBarrier"))
+        "NCCL communicator was aborted", "ncclRemoteError", "Timed out waiting", "failed to pass monitoredBarrier",
+        "Detected mismatch between collectives"))
+
+
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)\)\)")
+_OP_NAMES = {"ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "_ALLGATHER_BASE": "all_gather_into_tensor",
+             "BROADCAST": "broadcast", "REDUCE": "reduce", "REDUCE_SCATTER": "reduce_scatter",
+             "_REDUCE_SCATTER_BASE": "reduce_scatter_tensor", "BARRIER": "barrier", "GATHER": "gather",
+             "SCATTER": "scatter", "ALLTOALL": "all_to_all", "ALLTOALL_BASE": "all_to_all_single"}
+
+
+def mismatch(text):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL's 'Detected mismatch between collectives': {rank: 'kind of shape (dtype)'}
+    and the aspects they differ in; None for another error."""
+    text = " ".join(text.split())
+    if "Detected mismatch between collectives" not in text:
+        return None
+    sides = {}
+    for rank, fields in _FINGERPRINT.findall(text):
+        found = dict(re.findall(r"(SequenceNumber|OpType|TensorShape|TensorDtypes)=([^,]*(?:\[[^\]]*\])?)", fields))
+        op = found.get("OpType", "?")
+        sides[rank] = {"seq": found.get("SequenceNumber"), "what": f"{_OP_NAMES.get(op, op.lower())} of "
+                       f"{found.get('TensorShape', '?')} ({found.get('TensorDtypes', '?')})"}
+    differ = re.search(r"differ in the following aspects: (.*)$", text)
+    aspects = differ[1].replace("vs", " vs").replace("Tensor Tensor", "tensor").strip() if differ else None
+    return {"sides": sides, "aspects": aspects}
 
 
 def _is_user(filename):
@@ -168,6 +193,15 @@ def _silent(rank, known):
 def compose(question, answers, who, world_size):
     """The one line, from the question (why it was asked), the answers of the ranks that answered, and what is
     known of those that did not (`who`: pid, host, exit code, whether alive)."""
+    detail = next((v["mismatch"] for v in answers.values() if v.get("mismatch")), None)
+    if detail and len(detail["sides"]) >= 2:
+        sides = "; ".join(f"rank {r} {side['what']}" + (f" at {answers[int(r)]['where']}"
+                                                          if answers.get(int(r), {}).get("where") else "")
+                          for r, side in sorted(detail["sides"].items(), key=lambda item: int(item[0])))
+        seq = next(iter(detail["sides"].values()))["seq"]
+        return (f"diagnose: the ranks called different collectives at #{seq}: {sides}"
+                + (f" (they differ in {detail['aspects']})" if detail.get("aspects") else "")
+                + f"; TORCH_DISTRIBUTED_DEBUG=DETAIL stopped them before any waited; see {DOCS}")
     waiting = {r: v["running"][0] for r, v in answers.items() if v.get("running")}
     elsewhere = sorted(r for r, v in answers.items() if not v.get("running") and not v.get("error"))
     failed = {r: v for r, v in answers.items() if v.get("error")}

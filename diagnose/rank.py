@@ -238,8 +238,25 @@ def _started(c10d):
                                                 "host": socket.gethostname()}))
     _listener_store = store.clone()
     _install_hooks()
+    _work_around_detail_crash()
     threading.Thread(target=_watch, name="diagnose-watchdog", daemon=True).start()
     threading.Thread(target=_listen, name="diagnose-listener", daemon=True).start()
+
+
+def _work_around_detail_crash():
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL (and only then), DDP's construction logging casts the gloo backend,
+    which DETAIL wraps, to the gloo class, and torch 2.13 crashes (SIGSEGV): have DDP skip that one call."""
+    import torch.distributed as dist
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL" or getattr(dist.Logger, "_skips", False):
+        return
+
+    class Logger(dist.Logger):
+        _skips = True
+
+        def set_construction_data_and_log(self, *args, **kwargs):
+            pass
+
+    dist.Logger = Logger
 
 
 def _die_with_launcher():
@@ -379,7 +396,7 @@ def _listen():
             return  # this rank asked, or answers already
         _state["round"] = True
         question = json.loads(_listener_store.get(KEY + "round"))
-        _store.set(f"{KEY}view/{_rank()}", json.dumps(view()))
+        _store.set(f"{KEY}view/{_rank()}", json.dumps(view(_state.get("error"))))
     except Exception:  # noqa: BLE001  the store went (the job ended, or its host died): nothing to answer
         return
     _finish(question)
@@ -397,8 +414,13 @@ def _uncaught(error):
     import torch.distributed as dist
     if _store is None or not dist.is_initialized() or not lines.lost_peer(error) or _state["exiting"]:
         return
-    if _state["round"]:  # the watchdog or the listener has it in hand: let it end the process
-        time.sleep(WAIT_S + 3 * STORE_TIMEOUT_S)
+    _state["error"] = error
+    if _state["round"]:  # the listener answers already: with this error, which says more than a stack
+        try:
+            _store.set(f"{KEY}view/{_rank()}", json.dumps(view(error)))
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(WAIT_S + 3 * STORE_TIMEOUT_S)  # the listener ends the process
         return
     question = _ask("failed", None, error)
     if question is not None:
@@ -418,6 +440,7 @@ def view(error=None):
     if error is not None:
         frames = traceback.extract_tb(error.__traceback__)
         me["error"] = lines.short_error(str(error))
+        me["mismatch"] = lines.mismatch(str(error))
     else:
         main = sys._current_frames().get(threading.main_thread().ident)
         if main is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, clean_env, free_port, kill_launched, launched_pids, mpi_env, start
+from conftest import BIN, REPO, check_no_abort, clean_env, free_port, kill_launched, launched_pids, mpi_env, start
 
 TIMEOUT = 6  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
 DEADLINE_S = TIMEOUT + 30  # from the fault to the job's end
@@ -112,8 +112,9 @@ def env_for(launcher, **extra):
     return base(MASTER_PORT=free_port(), **extra)
 
 
-def watch(cmd, env, cwd=REPO):
-    """Run a launch to its end: (exit code, [(time, line)]); one still running after HANG_GUARD_S fails."""
+def watch(cmd, env, cwd=REPO, aborts=False):
+    """Run a launch to its end: (exit code, [(time, line)]); one still running after HANG_GUARD_S fails, and so
+    does one that printed an abort marker (a crash) unless `aborts`."""
     process = start(cmd, cwd, env)
     hung = threading.Event()
     timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
@@ -123,6 +124,8 @@ def watch(cmd, env, cwd=REPO):
     timer.cancel()
     if hung.is_set():
         pytest.fail(f"still running after {HANG_GUARD_S}s:\n" + "\n".join(line for _, line in lines)[-3000:])
+    if not aborts:
+        check_no_abort("\n".join(line for _, line in lines), " ".join(map(str, cmd)))
     return process.returncode, lines
 
 
@@ -187,10 +190,25 @@ def test_a_skipped_collective_names_both_sides_and_torchfrtrace_reads_the_dumps(
 
 def test_another_shape_is_named(tmp_path):
     """gloo aborts a rank whose peer sends another shape: the survivor names the abort and its likely cause."""
-    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env_for("torchrun", FAULT="shape"))
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env_for("torchrun", FAULT="shape"),
+                        aborts=True)
     line = the_line(lines)
     assert code != 0
     assert "killed by SIGABRT" in line and "another shape" in line, line
+
+
+@pytest.mark.parametrize("fault, other", [("skip", "all_reduce of [1409] (Float)"), ("shape", "all_gather of [3] (Float)")])
+def test_under_debug_detail_both_sides_are_named_at_once(tmp_path, fault, other):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL raises on every rank before any waits; the tool names both sides (and keeps
+    torch 2.13's DDP from crashing in its constructor under DETAIL with gloo)."""
+    env = env_for("torchrun", FAULT=fault, TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env)
+    line = the_line(lines)
+    assert code != 0
+    assert line.startswith(f"diagnose: the ranks called different collectives at #12: rank 0 all_gather of [2] (Float) "
+                           f"at {line_of('the all_gather line')}; rank 1 {other} at "), line
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL stopped them before any waited" in line, line
+    ended_in_time(lines, fault)
 
 
 def test_keep_waiting_prints_the_line_and_lets_the_job_finish(tmp_path):
@@ -309,3 +327,18 @@ def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_
     line = the_line(lines)
     assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: ") and cause in line, line
     assert time.monotonic() - started < DEADLINE_S
+
+
+def test_the_line_at_three_ranks_names_each_rank_by_what_it_does():
+    """lines.compose from answers as ranks post them: one rank in its own code, one gone, one waiting."""
+    from diagnose import lines
+    question = {"by": 0, "reason": "timeout", "waited": 7.0, "timeout": 6.0, "folder": "fr_traces/x"}
+    waiting = {"rank": 0, "running": [{"seq": 9, "kind": "all_reduce", "shapes": "[10]", "group": "0", "waited": 7.0}],
+               "where": "train.py:40", "inner": None, "backward": True, "error": None}
+    stuck = {"rank": 1, "running": [], "where": "train.py:31", "inner": "queue.get", "backward": False, "error": None}
+    line = lines.compose(question, {0: waiting, 1: stuck}, {2: {"pid": 77, "host": "n1", "exit": -9}}, 3)
+    assert line.startswith("diagnose: collective #9 (all_reduce of [10], DDP's gradients in backward() at train.py:40) "
+                           "waited more than --timeout 6s: "), line
+    assert "rank 1 did not arrive: it is alive, in its own code at train.py:31, in queue.get" in line, line
+    assert "rank 2 is gone: killed by SIGKILL (pid 77, on n1)" in line, line
+    assert line.endswith("`torchfrtrace fr_traces/x --allow-incomplete-ranks`; see docs/hangs.md"), line

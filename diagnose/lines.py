@@ -266,6 +266,13 @@ def startup_cause(error):
         return (f"diagnose: port {port[1] if port else '(MASTER_PORT)'} is already in use on this host (another "
                 "job, or an earlier run still holding it): pass another --master_port / MASTER_PORT, or "
                 "--rdzv_endpoint=HOST:0 under torchrun --standalone")
+    loopback = re.search(r"remote=\[(127\.\d+\.\d+\.\d+)\]", text)
+    if loopback and ("connectFullMesh" in text or "failed to connect" in text):
+        return (f"diagnose: another node advertised {loopback[1]}, a loopback address, so this one cannot reach it: "
+                "its host name resolves to loopback (the `127.0.1.1 HOSTNAME` line of /etc/hosts); on every node "
+                "set GLOO_SOCKET_IFNAME to the interface that joins the nodes (a name, e.g. eth0, or a "
+                "comma-separated list) and for NCCL NCCL_SOCKET_IFNAME (a prefix: eth; ^lo excludes, =eth0 is "
+                "exact), or make the host name resolve to that interface's address")
     if "NCCL" in text and ("no GPUs found" in text or "doesn't have NCCL" in text or "not available" in text):
         return ("diagnose: NCCL needs CUDA GPUs, and this process sees none: use backend='gloo' on the CPU, or "
                 "dist.get_default_backend_for_device(torch.accelerator.current_accelerator(check_available=True))")

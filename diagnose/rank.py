@@ -586,8 +586,16 @@ def _init_waits_too_long(init_method):
         answers = False
     rank, size = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
     if answers:
-        line = (f"diagnose: init_process_group has waited {timeout_s():g}s: the store at {address} answers, but "
-                f"not all {size} ranks have joined; start the missing ones, or check WORLD_SIZE and each rank's RANK")
+        line = (f"diagnose: init_process_group has waited {timeout_s():g}s: the store at {address} answers, but the "
+                f"group of {size} ranks is not complete: a rank has not started (check WORLD_SIZE and each rank's "
+                "RANK), or the ranks cannot reach the addresses they advertise to each other")
+        try:
+            mine = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            mine = None
+        if mine and mine.startswith("127.") and not host.strip("[]").startswith(("127.", "localhost", "::1")):
+            line += (f"; this host's name resolves to {mine}, a loopback address (/etc/hosts): set GLOO_SOCKET_IFNAME "
+                     "(or NCCL_SOCKET_IFNAME) to the interface that joins the nodes")
     else:
         line = (f"diagnose: init_process_group has waited {timeout_s():g}s: nothing answers at {address} (the "
                 "rendezvous address: MASTER_ADDR and MASTER_PORT, or init_method): start rank 0 (or the first "

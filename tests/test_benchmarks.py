@@ -72,6 +72,7 @@ def test_allreduce_bad_input_is_one_line(args, message):
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_scaling_quick_writes_efficiencies(tmp_path):
     """Plain DDP and DDP with PowerSGD side by side. SimpleCNN has two gradient buckets: torch's PowerSGD hook
     deadlocks gloo's two worker threads when both compress at once, unless ddp_common.comm_hooks runs them one

@@ -145,7 +145,7 @@ def ended_in_time(lines, fault):
 LAUNCHERS = ["torchrun", "mp.spawn", "mpirun"]
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.quick), "mp.spawn", "mpirun"])
 def test_a_stalled_rank_is_named_with_the_line_where_it_stands(tmp_path, launcher):
     code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="stall"))
     line = the_line(lines)
@@ -274,6 +274,7 @@ def test_nccl_without_a_gpu_is_one_line(tmp_path):
     assert "NCCL needs CUDA GPUs, and this process sees none" in the_line(lines)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     ([], "no launch command given"),
     (["--timeout", "0", "torchrun"], "--timeout: must be more than 0"),
@@ -316,7 +317,7 @@ def test_the_private_torch_apis_it_uses_exist():
         assert name in documented, name
 
 
-@pytest.mark.parametrize("rank, cause", [(1, "nothing answers at 127.0.0.1:"), (0, "answers, but not all 2 ranks have joined")])
+@pytest.mark.parametrize("rank, cause", [(1, "nothing answers at 127.0.0.1:"), (0, "answers, but the group of 2 ranks is not complete")])
 def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_path, rank, cause):
     """One rank of two, started alone with no timeout of its own: rank 1 finds nothing at the address, rank 0
     hosts the store and waits for rank 1. Either way one line after --timeout, instead of torch's 30 minutes."""
@@ -326,6 +327,7 @@ def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_
     assert code != 0
     line = the_line(lines)
     assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: ") and cause in line, line
+    assert "GLOO_SOCKET_IFNAME" not in line, line  # this host's name is not loopback here
     assert time.monotonic() - started < DEADLINE_S
 
 
@@ -342,3 +344,45 @@ def test_the_line_at_three_ranks_names_each_rank_by_what_it_does():
     assert "rank 1 did not arrive: it is alive, in its own code at train.py:31, in queue.get" in line, line
     assert "rank 2 is gone: killed by SIGKILL (pid 77, on n1)" in line, line
     assert line.endswith("`torchfrtrace fr_traces/x --allow-incomplete-ranks`; see docs/hangs.md"), line
+
+
+def test_two_nodes_whose_host_names_resolve_to_loopback_are_one_line(tmp_path):
+    """Two torchrun nodes in two network namespaces, each with a host name that its /etc/hosts maps to 127.0.1.1
+    (Debian's default): the rendezvous works (it is given addresses), gloo then advertises 127.0.1.1 and the
+    other node cannot connect. The line names the cause and the variables that fix it."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    from test_reliability import NetworkNamespaces
+    script = user_script(tmp_path)
+    with NetworkNamespaces() as net:
+        hosts = [Path("/etc/netns") / name / "hosts" for name in net.names]
+        try:
+            for node, path in enumerate(hosts):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"127.0.0.1 localhost\n127.0.1.1 node{node}\n")
+            port = free_port()
+            agents = []
+            for node in (0, 1):
+                torchrun = [BIN / "torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                            "--rdzv_id=loopback", f"--rdzv_endpoint={net.addresses[0]}:{port}",
+                            f"--local_addr={net.addresses[node]}", f"--rdzv_conf=is_host={int(node == 0)},join_timeout=60"]
+                command = " ".join(map(str, [sys.executable, "-m", "diagnose", "--timeout", TIMEOUT, *torchrun, script]))
+                agents.append(start(["ip", "netns", "exec", net.names[node], "unshare", "--uts", "sh", "-c",
+                                     f"hostname node{node} && exec {command}"], REPO, clean_env()))
+            outputs = [finish_quietly(agent, HANG_GUARD_S) for agent in agents]
+        finally:
+            for path in hosts:
+                subprocess.run(["rm", "-rf", path.parent])
+    found = [line for output in outputs for line in output.splitlines() if line.startswith("diagnose: ")]
+    assert len(found) <= 2 and all("GLOO_SOCKET_IFNAME" in line for line in found), "\n====\n".join(outputs)[-5000:]
+    assert any("advertised 127.0.1.1, a loopback address" in line for line in found), found
+
+
+def finish_quietly(process, timeout):
+    """The whole output of a started launch; one still running after `timeout` is killed and fails the test."""
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_launched()
+        pytest.fail(f"{process.args} still running after {timeout}s:\n{process.communicate()[0][-3000:]}")
+    return out

@@ -105,6 +105,7 @@ def assert_epochs(lines, first, last, world_size):
     assert {line.steps for line in lines} == {STEPS[world_size]}, f"world size {world_size}: {lines}"
 
 
+@pytest.mark.slow
 def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_on(tmp_path):
     """One job, three nodes, world size 1 -> 2 -> 1 -> 2:
     node 1 joins with an older snapshot of the run (it resumes from node 0's, the newest, sent by rank 0);

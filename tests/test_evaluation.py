@@ -54,6 +54,7 @@ def uneven_run(tmp_path_factory):
     return folder, result.stdout
 
 
+@pytest.mark.slow
 def test_evaluation_is_the_same_at_world_sizes_1_2_3(uneven_run, tmp_path):
     """The Join run's model (trained at 2 ranks) scored at 1, 2 and 3 ranks: the same counts, every one of the
     1001 samples once, and the same figure as one process scoring the whole set here. The sampler the tutorial
@@ -124,6 +125,7 @@ def test_evaluating_a_snapshot_that_is_not_there_is_one_line(tmp_path):
     assert_one_line_error(result, "--evaluate: no snapshot at absent.pt to evaluate")
 
 
+@pytest.mark.slow
 def test_trainer_evaluation_counts_each_image_once(mnist_dir, tmp_path):
     """train.py at 3 ranks on 1001 evaluation images (3 does not divide it): the Trainer's figures are those of
     one process scoring the saved model on all 1001 here, each image once: accuracy as a count, and the loss

@@ -171,6 +171,7 @@ def two_nodes(*args, cwd):
     return outputs
 
 
+@pytest.mark.slow
 def test_a_sigkill_during_an_async_save_leaves_the_previous_checkpoint_and_two_nodes_resume_bitwise(uninterrupted,
                                                                                                   tmp_path):
     directory, _ = uninterrupted
@@ -298,6 +299,7 @@ def test_a_snapshot_path_the_nodes_do_not_share_is_refused_in_one_line(tmp_path)
     assert not (cwds[1] / "fsdp_checkpoints").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_a_mid_epoch_checkpoint_resumes_at_another_world_size_with_every_sample_once(uninterrupted, tmp_path, nproc):
     """Checkpoints every 3 steps (4 steps an epoch at 2 ranks); the run killed once the one 2 steps into epoch 1 is

@@ -95,6 +95,7 @@ def dumps(cwd):
 
 # ---- hangs.py under torchrun: the lesson's five ways ----
 
+@pytest.mark.slow
 def test_a_skipped_collective_is_named_on_both_sides_and_torchfrtrace_finds_the_culprit(tmp_path):
     """Rank 1 skips the step's all_gather: it goes on to the next step's gradient all_reduce, which gloo cannot
     pair with rank 0's all_gather; both wait --timeout, then name both sides."""
@@ -142,6 +143,7 @@ def test_another_shape_aborts_its_rank_and_the_other_names_it_gone(tmp_path):
     ends_in_time(lines, "rank 1: --fault other_shape at step 3", deadline=20)
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_in_its_own_code_is_named_and_shows_where_it_waits(tmp_path):
     code, lines = hangs_py(tmp_path, "stall")
     assert code != 0
@@ -158,6 +160,7 @@ def test_a_rank_stuck_in_its_own_code_is_named_and_shows_where_it_waits(tmp_path
     assert "--allow-incomplete-ranks" in line, line
 
 
+@pytest.mark.slow
 def test_at_3_ranks_a_stuck_rank_is_named_stuck_by_both_others(tmp_path):
     """Ranks 0 and 2 both wait --timeout for rank 1; the first to time out closes its connections to the other,
     which may see "Connection closed by peer" a moment before its own timeout. That closure is a live rank's
@@ -252,6 +255,7 @@ def faulty(tmp_path, script, fault, rank=1, step=40):
 TRAIN = ("--total_epochs", "1000", "--save_every", "1000", "--timeout", str(TIMEOUT))
 
 
+@pytest.mark.slow
 def test_multigpu_torchrun_names_a_stuck_rank_and_its_collective(tmp_path):
     code, lines = watch(torchrun_cmd(faulty(tmp_path, "multigpu_torchrun.py", "stall"), *TRAIN), cwd=tmp_path)
     assert code != 0
@@ -295,6 +299,7 @@ def alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_multigpu_mp_spawn_names_a_stopped_rank(tmp_path):
     """A real SIGSTOP of rank 1 (alive, its connections open, doing nothing): rank 0 names it after --timeout.
     SIGCONT once rank 0 has gone, so that mp.spawn's SIGTERM reaches it (a stopped process would keep
@@ -332,6 +337,7 @@ def test_multigpu_mp_spawn_names_a_stopped_rank(tmp_path):
     assert TIMEOUT < gone < DEADLINE_S, gone
 
 
+@pytest.mark.slow
 def test_mpirun_train_names_a_stuck_rank(tmp_path):
     code, lines = watch(mpirun_cmd(faulty(tmp_path, "run_with_mpirun.py", "stall"), "--train", *TRAIN),
                         cwd=tmp_path, env=mpi_env())
@@ -388,6 +394,7 @@ def test_at_3_ranks_a_connection_closed_by_another_ranks_timeout_names_no_rank_g
     assert "the launcher stopped this rank before all had answered" in line, line
 
 
+@pytest.mark.slow
 def test_the_cost_benchmark_runs_and_writes_its_figures(tmp_path):
     """benchmarks/hang_diagnosis.py at a smoke-test size: the three settings side by side, one JSON."""
     out = run(python_cmd("benchmarks/hang_diagnosis.py", "--repeats", "1", "--steps", "20", "--warmup", "2",

@@ -345,6 +345,7 @@ EPOCHS, SAVE_EVERY = 6, 2  # the manifests' 50 and 10, shortened
 UNRESOLVED = r"network addresses of \({name}, \d+\) cannot be retrieved"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [PYTORCHJOB, TRAINJOB], ids=lambda p: p.name)
 def test_pods_train_and_a_restart_resumes_from_the_snapshot_volume(path, tmp_path):
     """Both pods start; for the TrainJob, before node 0's name resolves (the Trainer adds no init container

@@ -81,6 +81,7 @@ def test_mpi_script_without_mpirun_is_a_world_of_one(tmp_path):
     assert table(out) == {**expected_table(1), "all_reduce vs MPI allreduce": ("[1]", "[1]", "yes")}
 
 
+@pytest.mark.slow
 def test_mpirun_training_matches_torchrun_bitwise_and_resumes(tmp_path):
     # One thread each: torchrun sets OMP_NUM_THREADS=1 by itself, mpirun does not, and a different thread
     # count may sum a matrix product in another order.

@@ -53,6 +53,7 @@ def test_torchrun_learns_and_counts_every_sample_of_both_ranks(big_batch_run):
     assert state["epochs_run"] == 3
 
 
+@pytest.mark.slow
 def test_accumulation_then_resume_gives_the_big_batch_weights(big_batch_run, tmp_path):
     """4 micro-batches of 16, stopped after 2 epochs and resumed for the 3rd, end where one batch of 64 per step
     does: wrong loss scaling, a premature step, or a resume that loses the momentum or the shuffle move the

@@ -61,6 +61,7 @@ def test_proc_is_found_before_training(tmp_path, script):
     assert_refused_before_training(result, "/proc/out", "(No such file or directory)", script)
 
 
+@pytest.mark.slow
 def test_a_read_only_mount_is_found_before_training(tmp_path):
     """A read-only filesystem, mounted in a mount namespace of the test's own (the host's mounts stay as they
     were): every writer stops at once, naming it. One namespace, all scripts, so it costs one mount."""
@@ -85,6 +86,7 @@ def test_a_read_only_mount_is_found_before_training(tmp_path):
         assert_refused_before_training(result, str(read_only / "out"), "(Read-only file system)", script)
 
 
+@pytest.mark.slow
 def test_two_runs_on_one_snapshot_the_second_stops_at_once_and_the_first_finishes(tmp_path):
     """Two runs of the same command in one folder: the second names the first and stops before training; the
     first trains to its end and its snapshot is whole. A SIGKILLed run's lock dies with it (the restart tests

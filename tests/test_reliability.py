@@ -98,6 +98,7 @@ def uninterrupted(tmp_path_factory):
     return directory / "multigpu_torchrun.pt"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", STORES)
 def test_torchrun_restarts_killed_workers_and_ends_bitwise_equal(tmp_path, uninterrupted, store):
     """Two SIGKILLs at different points (rank 1 after the first snapshot, then rank 0 of the restarted group
@@ -268,6 +269,7 @@ class NetworkNamespaces:
         return start(cmd, cwd, env)
 
 
+@pytest.mark.slow
 def test_multinode_across_a_real_link_stops_when_it_goes_down_and_resumes(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
@@ -317,6 +319,7 @@ def test_mpirun_stops_every_rank_when_one_is_killed(tmp_path):
     assert load_snapshot(tmp_path / "run_with_mpirun.pt")["epochs_run"] >= 1
 
 
+@pytest.mark.slow
 def test_train_py_restarted_by_torchrun_resumes_mid_epoch_from_its_newest_checkpoint_bitwise(tmp_path, mnist_dir):
     """The Trainer's own checkpoints every 3 steps (--save_strategy steps), so the kill lands mid-epoch: the
     restarted group goes on from the newest checkpoint, skipping the batches of the epoch it had done, and ends

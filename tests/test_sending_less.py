@@ -98,6 +98,7 @@ def test_powersgd_learns_and_keeps_its_error_feedback(launched):
     assert errors[0].abs().sum() > 0 and not torch.equal(errors[0], errors[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resumed", ["powersgd resumed", "powersgd zero resumed"])
 def test_powersgd_resumed_from_a_zero_snapshot_equals_the_uninterrupted_run(launched, resumed):
     """Stopped after epoch 1 with PowerSGD and ZeRO and resumed without ZeRO, or with it: the weights,

@@ -72,6 +72,7 @@ def uninterrupted(tmp_path_factory):
     return load_snapshot(directory / "step_checkpoints.pt")
 
 
+@pytest.mark.slow
 def test_sigkills_at_arbitrary_steps_lose_at_most_n_steps_and_end_bitwise_equal(tmp_path, uninterrupted):
     """Rank 1 killed at step 33 of epoch 0, rank 0 of the restarted group 47 steps later, mid-epoch 1: each restart
     resumes from the last step snapshot, mid-epoch, and the run ends where the uninterrupted one did, to the bit."""
@@ -115,6 +116,7 @@ def samples_of_interrupted_epoch(probes_before, probes_after, epoch, position, g
     return used
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(2, 1), (2, 3), (1, 2)])
 def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_once(tmp_path, uninterrupted, before,
                                                                                    after):
@@ -142,6 +144,7 @@ def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_on
         assert torch.allclose(final["model"][name], weight, rtol=0, atol=1e-5), (name, final["model"][name] - weight)
 
 
+@pytest.mark.slow
 def test_another_global_batch_goes_on_through_the_same_order(tmp_path):
     """Resumed with another global batch: the order is the epoch's, not the batch's, so the rest of the epoch
     goes on from the same sample, in steps of the new size, and every sample is still used once (the run is then
@@ -161,6 +164,7 @@ def test_another_global_batch_goes_on_through_the_same_order(tmp_path):
     assert sorted(used) == list(range(N)) and set(used.values()) == {1}
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_overwrites_nothing(tmp_path):
     result = run(python_cmd(SCRIPT, "--save_every_steps", "0"), cwd=tmp_path, check=False, timeout=60)
     assert_one_line_error(result, "argument --save_every_steps: must be a positive integer, got 0")
@@ -206,6 +210,7 @@ def processes(directory):
 EPOCHS = 6  # of the elastic run: long enough that node 0 alone is still training when node 2 joins
 
 
+@pytest.mark.slow
 def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_sample_once(tmp_path):
     """torchrun --nnodes=1:2, one process a node, one folder for the snapshot (as a shared filesystem would be):
     two nodes; node 1's agent killed mid-epoch (its worker goes with it), node 0 goes on alone from the last step
@@ -264,6 +269,7 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
         assert sorted(counts) == list(range(N)) and set(counts.values()) == {1}, f"epoch {epoch}"
 
 
+@pytest.mark.slow
 def test_the_trainer_resumes_mid_epoch_at_another_world_size_with_every_sample_once(tmp_path, mnist_dir):
     """train.py: the Hugging Face Trainer's own checkpoints every 3 steps; 2 ranks of 64 killed after checkpoint-3,
     resumed at 1 rank of 128 (the same global batch). accelerate shards one global order of batches among the

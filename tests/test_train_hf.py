@@ -63,6 +63,7 @@ def test_collate_normalises_real_digits_to_mean_0_and_std_1(mnist_dir):
     assert batch["labels"].dtype == torch.int64 and batch["labels"].tolist() == labels.tolist()
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_reach_97_percent(mnist_dir, tmp_path):
     """The defaults, as a user runs them, on 8,000 real digits; DDP halves the steps of each rank."""
     start = time.perf_counter()
@@ -111,6 +112,7 @@ def test_python_run_writes_the_trainer_outputs_and_learns(one_epoch_run, mnist_d
     assert accuracy_of_saved_model(output_dir, mnist_dir, 256) == pytest.approx(results["eval_accuracy"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_mpirun_two_ranks_on_a_saved_dataset(one_epoch_run, mnist_dir, tmp_path):
     """mpirun, with the data as a save_to_disk DatasetDict shaped like the Hub's (PNG-encoded images, ClassLabel)."""
     features = Features({"image": Image(), "label": ClassLabel(names=[str(d) for d in range(10)])})
@@ -195,6 +197,7 @@ def test_bad_magic_and_count_mismatch_name_the_file(mnist_dir, tmp_path):
         load_mnist_splits(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_the_shipped_test_set_trains_as_documented(tmp_path):
     """data/mnist holds the official test set alone: train.py --data_dir data/mnist trains on 8,000 of its images
     and evaluates on the other 2,000 (the split of the tests and of the docs' figures), and says so once."""

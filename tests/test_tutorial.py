@@ -31,6 +31,7 @@ def test_singlegpu_learns_and_writes_a_complete_snapshot(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["singlegpu.pt"], "no temporary or lock file may be left behind"
 
 
+@pytest.mark.slow
 def test_singlegpu_positional_form_resumes_bitwise(tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     straight.mkdir(), stopped.mkdir()
@@ -59,6 +60,7 @@ def test_multigpu_spawns_ranks_logs_once_and_learns(tmp_path):
     assert load_snapshot(tmp_path / "multigpu.pt")["epochs_run"] == 4
 
 
+@pytest.mark.slow
 def test_torchrun_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     straight.mkdir(), stopped.mkdir()
@@ -95,6 +97,7 @@ def multinode_agents(cwd, port, *args):
     return [agent.returncode for agent in agents], outputs
 
 
+@pytest.mark.slow
 def test_multinode_two_agents_form_one_job_and_refuse_a_snapshot_of_another_run(tmp_path):
     codes, outputs = multinode_agents(tmp_path, free_port(), "--total_epochs", "4", "--save_every", "2")
     assert codes == [0, 0], outputs

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_common.errors import one_line
+from diagnose import lines, rank
 
 WAIT_S = 5.0  # the longest a failing rank waits for the others' entries
 LINGER_S = 2.0  # the longest a rank that answered stays for the others that answered to finish their line
@@ -131,22 +132,8 @@ def _flight_recorder(stacks=False):
 
 
 def _for_torchfrtrace(dump):
-    """The dump as torchfrtrace reads it. torch 2.13's gloo records its groups' configuration under an empty
-    name, and torchfrtrace then fails (KeyError ('0', 0)): name each group of this process as the entries do.
-    Entries of groups the process does not know (TORCH_DISTRIBUTED_DEBUG=DETAIL's helper group) are left out."""
-    world = dist.distributed_c10d._world
-    config = {}
-    for group, name in world.pg_names.items():
-        ranks = world.pg_group_ranks.get(group)
-        if ranks is not None:
-            desc = "default_pg" if group is world.default_pg else getattr(group, "group_desc", "") or "undefined"
-            config[str(name)] = {"name": str(name), "desc": desc, "ranks": str(sorted(ranks))}
-    for entry in dump["entries"]:
-        name, desc = (list(entry.get("process_group", ())) + ["", ""])[:2]
-        if str(name) in config:
-            config[str(name)]["desc"] = desc or config[str(name)]["desc"]
-    return {**dump, "pg_config": config,
-            "entries": [e for e in dump["entries"] if str(e.get("process_group", ("",))[0]) in config]}
+    """The dump as torchfrtrace reads it (diagnose.lines.for_torchfrtrace)."""
+    return lines.for_torchfrtrace(dump)
 
 
 def _shapes(sizes):
@@ -538,17 +525,7 @@ def mismatch_line(error):
 
 def work_around_detail_crash():
     """Under TORCH_DISTRIBUTED_DEBUG=DETAIL (and only then), have DDP skip its construction logging, which crashes
-    torch 2.13 with gloo (see the module's docstring); DDP's runtime logging and everything else stay as they are.
-    cli.run calls this at start; without DETAIL it changes nothing."""
-    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL" or not dist.is_available():
-        return
-    if getattr(dist.Logger, "_ddp_examples_skips_construction_log", False):
-        return
-
-    class Logger(dist.Logger):
-        _ddp_examples_skips_construction_log = True
-
-        def set_construction_data_and_log(self, *args, **kwargs):
-            pass
-
-    dist.Logger = Logger
+    torch 2.13 with gloo (see the module's docstring); the diagnosis tool does the same (diagnose/rank.py). cli.run
+    calls this at start; without DETAIL it changes nothing."""
+    if dist.is_available():
+        rank.work_around_detail_crash()

@@ -104,18 +104,11 @@ def dump_folder(when):
     return os.path.join(DUMP_ROOT, time.strftime("%Y%m%d-%H%M%S", time.localtime(when)))
 
 
-def write_dump(rank, folder):
-    """This rank's flight recorder dump, with stacks, where torchfrtrace reads it; whether it was written.
-    torch 2.13's gloo records its groups' configuration under an empty name, which torchfrtrace cannot read
-    (KeyError): each group of this process is named as its entries name it."""
-    import torch
+def for_torchfrtrace(dump):
+    """A flight recorder dump as torchfrtrace reads it. torch 2.13's gloo records its groups' configuration under
+    an empty name, and torchfrtrace then fails (KeyError): each group of this process is named as its entries name
+    it; entries of groups the process does not know (DETAIL's helper group) are left out."""
     from torch.distributed import distributed_c10d as c10d
-    try:
-        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
-    except Exception:  # noqa: BLE001  the recorder is off
-        return False
-    if not dump.get("entries"):
-        return False
     world = c10d._world
     config = {}
     for group, name in world.pg_names.items():
@@ -127,14 +120,25 @@ def write_dump(rank, folder):
         name, desc = (list(entry.get("process_group", ())) + ["", ""])[:2]
         if str(name) in config:
             config[str(name)]["desc"] = desc or config[str(name)]["desc"]
-    dump = {**dump, "pg_config": config,
+    return {**dump, "pg_config": config,
             "entries": [e for e in dump["entries"] if str(e.get("process_group", ("",))[0]) in config]}
+
+
+def write_dump(rank, folder):
+    """This rank's flight recorder dump, with stacks, where torchfrtrace reads it; whether it was written."""
+    import torch
+    try:
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
+    except Exception:  # noqa: BLE001  the recorder is off
+        return False
+    if not dump.get("entries"):
+        return False
     prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.path.join(folder, "rank_")
     path = f"{prefix}{rank}"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path + ".tmp", "wb") as f:
-            pickle.dump(dump, f)
+            pickle.dump(for_torchfrtrace(dump), f)
         os.replace(path + ".tmp", path)
     except (OSError, pickle.PicklingError):
         return False

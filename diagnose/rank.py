@@ -238,12 +238,12 @@ def _started(c10d):
                                                 "host": socket.gethostname()}))
     _listener_store = store.clone()
     _install_hooks()
-    _work_around_detail_crash()
+    work_around_detail_crash()
     threading.Thread(target=_watch, name="diagnose-watchdog", daemon=True).start()
     threading.Thread(target=_listen, name="diagnose-listener", daemon=True).start()
 
 
-def _work_around_detail_crash():
+def work_around_detail_crash():
     """Under TORCH_DISTRIBUTED_DEBUG=DETAIL (and only then), DDP's construction logging casts the gloo backend,
     which DETAIL wraps, to the gloo class, and torch 2.13 crashes (SIGSEGV): have DDP skip that one call."""
     import torch.distributed as dist

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish,
                       free_port, launched_pids, load_snapshot, start, summary)
 from test_reliability import torchrun_worker, wait_for

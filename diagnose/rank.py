@@ -48,7 +48,8 @@ SIGTERM_GRACE_S = 1.0  # how long a rank stopped by its launcher waits for its o
 KEY = "diagnose/"
 EXIT_CODE = 1
 
-_state = {"armed": False, "round": False, "stopped": False, "exiting": False}
+_state = {"armed": False, "round": False, "stopped": False, "exiting": False, "closing": False}
+_lock = threading.Lock()  # held while the watchdog looks at the process groups
 _store = None  # this rank's own client of the default group's store
 _listener_store = None  # a second client, for the listener's blocking wait
 
@@ -132,6 +133,19 @@ def _patch_c10d(c10d):
     init_process_group.__wrapped__ = init
     init_process_group.__doc__ = init.__doc__
     c10d.init_process_group = init_process_group
+    destroy = c10d.destroy_process_group
+
+    def destroy_process_group(group=None):
+        # The watchdog must hold no reference to a group as it goes: a group freed late (at exit, or when a
+        # thread lets go) can hang or abort the process. Stop it first; it looks at groups only under _lock.
+        if group is None:
+            with _lock:
+                _state["closing"] = True
+        return destroy(group)
+
+    destroy_process_group.__wrapped__ = destroy
+    destroy_process_group.__doc__ = destroy.__doc__
+    c10d.destroy_process_group = destroy_process_group
 
 
 def _patch_spawn(spawn):
@@ -366,10 +380,11 @@ def _watch():
     counts, next_look = None, 0.0
     while not _state["round"]:
         time.sleep(POLL_S)
-        if not dist.is_initialized():
-            return
+        with _lock:
+            if _state["closing"] or not dist.is_initialized():
+                return
+            current = _counts()
         now = time.monotonic()
-        current = _counts()
         if current != counts:  # collectives complete: nothing to look at
             counts, next_look = current, now + min(limit, 2.0)
             continue

@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before the group: imported later (by DDP), it holds the group for good
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 

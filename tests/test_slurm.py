@@ -237,9 +237,10 @@ def test_diagnose_under_srun_names_a_stalled_rank_and_its_line(cluster, tmp_path
     from test_diagnose import TIMEOUT, line_of, user_script
     script = user_script(tmp_path)
     env = job_env(FAULT="stall", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    env["PYTHONPATH"] += os.pathsep + str(REPO)  # the tool, from the test's folder (its dumps go there)
     result = cluster.run([sys.executable, "-m", "diagnose", "--timeout", TIMEOUT, "srun", "--time=3", "-N", "2",
                           "--ntasks-per-node=1", "--cpus-per-task=1", sys.executable, script],
-                         cwd=REPO, env=env, timeout=180, check=False)
+                         cwd=tmp_path, env=env, timeout=180, check=False)
     output = result.stdout + result.stderr
     found = [line for line in output.splitlines() if line.startswith("diagnose: ")]
     assert result.returncode != 0 and len(found) == 1, output[-4000:]

@@ -4,17 +4,18 @@ Armed by the sitecustomize that the launch prefix puts on PYTHONPATH, it waits f
 imported and patches three places, and nothing else:
 
 - init_process_group: once the default group exists, this rank registers its pid and host in the group's store,
-  ties its life to its launcher's (a launcher SIGKILLed takes its workers with it), and starts two daemon
-  threads: a watchdog, which notices a collective that has waited longer than --timeout, and a listener, which
-  answers when another rank asks what this one is doing.
+  ties its life to its launcher's (a launcher SIGKILLed takes its workers with it), and starts one daemon
+  thread, the watchdog, which notices a collective that has waited longer than --timeout and answers when
+  another rank asks what this one is doing. destroy_process_group (and the end of the process) stops it first.
+  init_process_group that waits longer than --timeout, or fails, is one line too.
 - the uncaught-exception hooks (sys.excepthook, threading.excepthook, mp.spawn's wrapper of each process): a
   collective that failed because a peer left becomes the same one line, asked of the other ranks.
 - in a launcher that is a Python process (torchrun's agent, mp.spawn's parent), reaping a child: a rank's exit
   code or signal is written where the ranks of the node can read it, so that a dead rank is named with it.
 
-The watchdog costs one call per group every POLL_S seconds while collectives complete: each group's count of
-collectives issued. Only when the count stands still does it read torch's flight recorder (a few ms), and only
-for collectives still running.
+The watchdog costs, every POLL_S seconds, one call per group (its count of collectives issued) and one look at
+the store (a key that is there once a rank asks). Only when a count stands still does it read torch's flight
+recorder (a few ms), and only for collectives still running.
 
 Private torch APIs used (each exercised by tests/test_diagnose.py::test_the_private_torch_apis_it_uses_exist,
 which names the one a torch upgrade removed):
@@ -23,6 +24,7 @@ which names the one a torch upgrade removed):
 - torch.distributed.distributed_c10d._get_default_store and _world: the default group's store and the groups.
 - torch.multiprocessing.spawn._wrap: the function mp.spawn runs in each process, where an exception is caught.
 """
+import atexit
 import ctypes
 import importlib.abc
 import importlib.util
@@ -39,7 +41,8 @@ from datetime import timedelta
 
 from diagnose import lines
 
-POLL_S = 0.5  # how often the watchdog looks at the groups' counts
+POLL_S = 0.5  # how often the watchdog looks at the groups' counts, and whether another rank asks
+LEAVE_S = 2.0  # the longest a rank that ends waits for the others to end too (see _leave)
 WAIT_S = 5.0  # the longest the rank that asks waits for the others' answers
 STORE_TIMEOUT_S = 5.0
 LINGER_S = 2.0
@@ -51,7 +54,6 @@ EXIT_CODE = 1
 _state = {"armed": False, "round": False, "stopped": False, "exiting": False, "closing": False}
 _lock = threading.Lock()  # held while the watchdog looks at the process groups
 _store = None  # this rank's own client of the default group's store
-_listener_store = None  # a second client, for the listener's blocking wait
 
 
 def arm():
@@ -139,8 +141,7 @@ def _patch_c10d(c10d):
         # The watchdog must hold no reference to a group as it goes: a group freed late (at exit, or when a
         # thread lets go) can hang or abort the process. Stop it first; it looks at groups only under _lock.
         if group is None:
-            with _lock:
-                _state["closing"] = True
+            _leave()
         return destroy(group)
 
     destroy_process_group.__wrapped__ = destroy
@@ -237,7 +238,7 @@ def exit_of(pid):
 # ---- a rank starts ----
 
 def _started(c10d):
-    global _store, _listener_store
+    global _store
     if not c10d.is_initialized() or _store is not None:
         return
     import torch.distributed as dist
@@ -250,11 +251,10 @@ def _started(c10d):
     _store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
     _store.set(f"{KEY}who/{rank}", json.dumps({"pid": os.getpid(), "ppid": os.getppid(),
                                                 "host": socket.gethostname()}))
-    _listener_store = store.clone()
     _install_hooks()
+    atexit.register(_leave)
     work_around_detail_crash()
     threading.Thread(target=_watch, name="diagnose-watchdog", daemon=True).start()
-    threading.Thread(target=_listen, name="diagnose-listener", daemon=True).start()
 
 
 def work_around_detail_crash():
@@ -375,15 +375,23 @@ def last_collective():
 
 
 def _watch():
+    """The one thread this tool adds to a rank: every POLL_S it looks whether a collective waits too long, and
+    whether another rank has asked (then it answers)."""
     import torch.distributed as dist
     limit = timeout_s()
-    counts, next_look = None, 0.0
+    counts, next_look, asked = None, 0.0, False
     while not _state["round"]:
         time.sleep(POLL_S)
         with _lock:
             if _state["closing"] or not dist.is_initialized():
                 return
             current = _counts()
+            try:
+                asked = _store.check([KEY + "round"])
+            except Exception:  # noqa: BLE001  the store went (its host ended): nothing more to watch
+                return
+        if asked:
+            return _answer_round()
         now = time.monotonic()
         if current != counts:  # collectives complete: nothing to look at
             counts, next_look = current, now + min(limit, 2.0)
@@ -403,18 +411,42 @@ def _watch():
             _finish(question)
 
 
-def _listen():
-    """Answer when another rank asks: wait on the store for the question, as long as the group lives."""
+def _answer_round():
+    """Another rank asked: say what this one is doing (its error, if one reached the top), then go with the job."""
+    if _state["round"]:
+        return
+    _state["round"] = True
     try:
-        _listener_store.wait([KEY + "round"], timedelta(days=365))
-        if _state["round"]:
-            return  # this rank asked, or answers already
-        _state["round"] = True
-        question = json.loads(_listener_store.get(KEY + "round"))
+        question = json.loads(_store.get(KEY + "round"))
         _store.set(f"{KEY}view/{_rank()}", json.dumps(view(_state.get("error"))))
-    except Exception:  # noqa: BLE001  the store went (the job ended, or its host died): nothing to answer
+    except Exception:  # noqa: BLE001  the store went with the asking rank: nothing to answer
         return
     _finish(question)
+
+
+def _leave():
+    """Before the default group goes (destroy_process_group, or the end of the process): stop the watchdog, say
+    so in the store, and wait (at most LEAVE_S) until every rank has: the rank that hosts the store must not
+    take it away while another still looks at it (TCPStore prints a C++ backtrace for each such look). Then
+    let go of this tool's store client before torch tears the group down."""
+    global _store
+    with _lock:
+        if _state["closing"] or _store is None:
+            _state["closing"] = True
+            return
+        _state["closing"] = True
+    import torch.distributed as dist
+    try:
+        if not _state["round"]:
+            # The last to arrive posts a key that the store hands to every waiting rank at once: a rank that
+            # polled instead could be reading when the store's host, done waiting, takes it away.
+            if _store.add(KEY + "left", 1) >= dist.get_world_size():
+                _store.set(KEY + "all left", "")
+            else:
+                _store.wait([KEY + "all left"], timedelta(seconds=LEAVE_S))
+    except Exception:  # noqa: BLE001  the store is gone already
+        pass
+    _store = None
 
 
 def _rank():
@@ -430,12 +462,12 @@ def _uncaught(error):
     if _store is None or not dist.is_initialized() or not lines.lost_peer(error) or _state["exiting"]:
         return
     _state["error"] = error
-    if _state["round"]:  # the listener answers already: with this error, which says more than a stack
+    if _state["round"]:  # the watchdog answers already: with this error, which says more than a stack
         try:
             _store.set(f"{KEY}view/{_rank()}", json.dumps(view(error)))
         except Exception:  # noqa: BLE001
             pass
-        time.sleep(WAIT_S + 3 * STORE_TIMEOUT_S)  # the listener ends the process
+        time.sleep(WAIT_S + 3 * STORE_TIMEOUT_S)  # the watchdog ends the process
         return
     question = _ask("failed", None, error)
     if question is not None:

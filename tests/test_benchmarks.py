@@ -129,3 +129,16 @@ def test_clean_exit_tells_an_abort_after_a_good_exit_code_from_a_clean_run(monke
     row = clean_exit.stress("aborts.py", repeats=2, timeout=60)
     assert (row["launches"], row["clean"], row["aborted"]) == (2, 0, 2)
     assert row["failures"][0]["exit_code"] == 0 and row["failures"][0]["markers"] == ["terminate called"]
+
+
+@pytest.mark.slow
+def test_diagnose_cost_pairs_each_job_with_and_without_the_prefix(tmp_path):
+    run([sys.executable, REPO / "benchmarks" / "diagnose_cost.py", "--repeats", "1", "--epochs", "1", "--out",
+         tmp_path], cwd=REPO, timeout=600)
+    data = json.loads((tmp_path / "diagnose_cost.json").read_text())
+    assert data["machine"]["torch"] == torch.__version__
+    assert [row["job"].split()[0] for row in data["rows"]] == ["multigpu_torchrun.py", "train.py"]
+    for row in data["rows"]:
+        (without, with_tool), = row["pairs"]
+        assert without > 0 and with_tool > 0
+        assert row["ratio_median"] == pytest.approx(with_tool / without)

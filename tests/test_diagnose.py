@@ -217,6 +217,7 @@ def test_under_debug_detail_both_sides_are_named_at_once(tmp_path, fault, other)
     ended_in_time(lines, fault)
 
 
+@pytest.mark.slow
 def test_keep_waiting_prints_the_line_and_lets_the_job_finish(tmp_path):
     """--keep-waiting: the line, then the job goes on; here the stall ends and the job finishes, exit 0."""
     cmd = diagnose_cmd(*launch("torchrun", user_script(tmp_path)), options=["--keep-waiting"])

@@ -94,7 +94,8 @@ def in_backward(frames):
 def describe_entry(entry, waited=None):
     """A flight recorder entry as the line needs it."""
     sizes = entry.get("input_sizes") or []
-    shapes = ", ".join("[" + ", ".join(map(str, size)) + "]" for size in sizes[:3]) + (", ..." if len(sizes) > 3 else "")
+    shapes = ", ".join("[" + ", ".join(map(str, size)) + "]" for size in sizes[:3])
+    shapes += ", ..." if len(sizes) > 3 else ""
     group = entry.get("process_group") or ("", "")
     return {"seq": entry.get("collective_seq_id"), "kind": str(entry.get("profiling_name", "")).split(":")[-1] or None,
             "shapes": shapes or None, "group": str(group[1] or group[0]), "waited": waited}
@@ -213,7 +214,8 @@ def compose(question, answers, who, world_size):
     # The collective: the one most waiting ranks are in (the asker's, if it failed).
     signatures = {}
     for rank, entry in sorted(waiting.items()):
-        signatures.setdefault((entry["seq"], entry["kind"], entry["shapes"], answers[rank].get("where")), []).append(rank)
+        signature = (entry["seq"], entry["kind"], entry["shapes"], answers[rank].get("where"))
+        signatures.setdefault(signature, []).append(rank)
     asker = answers.get(question["by"], {})
     if signatures:
         main = max(signatures, key=lambda s: len(signatures[s]))

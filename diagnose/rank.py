@@ -47,7 +47,7 @@ WAIT_S = 5.0  # the longest the rank that asks waits for the others' answers
 STORE_TIMEOUT_S = 5.0
 LINGER_S = 2.0
 EXIT_WAIT_S = 2.0
-SIGTERM_GRACE_S = 1.0  # how long a rank stopped by its launcher waits for its own error to start the question  # the longest the asking rank waits for a launcher of its node to report a dead rank's exit
+SIGTERM_GRACE_S = 1.0  # how long a rank stopped by its launcher waits for its own error to start the question
 KEY = "diagnose/"
 EXIT_CODE = 1
 

@@ -182,8 +182,9 @@ def test_a_skipped_collective_names_both_sides_and_torchfrtrace_reads_the_dumps(
                         clean_env(MASTER_PORT=free_port(), FAULT="skip"), REPO)
     line = the_line(lines)
     assert code != 0
-    assert (f"the ranks wait in different collectives: rank 0 in all_gather of [2] at {line_of('the all_gather line')}; "
-            f"rank 1 in all_reduce of [1409], DDP's gradients in backward() at {line_of('the backward line')}") in line, line
+    assert ("the ranks wait in different collectives: rank 0 in all_gather of [2] at "
+            f"{line_of('the all_gather line')}; rank 1 in all_reduce of [1409], DDP's gradients in backward() at "
+            f"{line_of('the backward line')}") in line, line
     folder = line.split("torchfrtrace ")[1].split("`")[0]
     assert sorted(p.name for p in (REPO / folder).iterdir()) == ["rank_0", "rank_1"]
     try:
@@ -203,7 +204,8 @@ def test_another_shape_is_named(tmp_path):
     assert "killed by SIGABRT" in line and "another shape" in line, line
 
 
-@pytest.mark.parametrize("fault, other", [("skip", "all_reduce of [1409] (Float)"), ("shape", "all_gather of [3] (Float)")])
+@pytest.mark.parametrize("fault, other", [("skip", "all_reduce of [1409] (Float)"),
+                                          ("shape", "all_gather of [3] (Float)")])
 def test_under_debug_detail_both_sides_are_named_at_once(tmp_path, fault, other):
     """TORCH_DISTRIBUTED_DEBUG=DETAIL raises on every rank before any waits; the tool names both sides (and keeps
     torch 2.13's DDP from crashing in its constructor under DETAIL with gloo)."""
@@ -326,7 +328,8 @@ def test_the_private_torch_apis_it_uses_exist():
         assert name in documented, name
 
 
-@pytest.mark.parametrize("rank, cause", [(1, "nothing answers at 127.0.0.1:"), (0, "answers, but the group of 2 ranks is not complete")])
+@pytest.mark.parametrize("rank, cause", [(1, "nothing answers at 127.0.0.1:"),
+                                         (0, "answers, but the group of 2 ranks is not complete")])
 def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_path, rank, cause):
     """One rank of two, started alone with no timeout of its own: rank 1 finds nothing at the address, rank 0
     hosts the store and waits for rank 1. Either way one line after --timeout, instead of torch's 30 minutes."""
@@ -375,8 +378,10 @@ def test_two_nodes_whose_host_names_resolve_to_loopback_are_one_line(tmp_path):
             for node in (0, 1):
                 torchrun = [BIN / "torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                             "--rdzv_id=loopback", f"--rdzv_endpoint={net.addresses[0]}:{port}",
-                            f"--local_addr={net.addresses[node]}", f"--rdzv_conf=is_host={int(node == 0)},join_timeout=60"]
-                command = " ".join(map(str, [sys.executable, "-m", "diagnose", "--timeout", TIMEOUT, *torchrun, script]))
+                            f"--local_addr={net.addresses[node]}",
+                            f"--rdzv_conf=is_host={int(node == 0)},join_timeout=60"]
+                command = " ".join(map(str, [sys.executable, "-m", "diagnose", "--timeout", TIMEOUT, *torchrun,
+                                             script]))
                 agents.append(start(["ip", "netns", "exec", net.names[node], "unshare", "--uts", "sh", "-c",
                                      f"hostname node{node} && exec {command}"], REPO, clean_env()))
             outputs = [finish_quietly(agent, HANG_GUARD_S) for agent in agents]

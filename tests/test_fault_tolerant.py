@@ -1,0 +1,236 @@
+"""Per-step fault tolerance with torchft (fault_tolerant.py): a real torchft_lighthouse process and real torchrun
+replica groups, a real SIGKILL of a whole group. The survivor steps on without a restart and commits every step
+once; the group started again heals from it and both end with bitwise the same weights, read from disk. A group
+that joins late heals the same way; no lighthouse, or a group with another model, is one line within seconds.
+"""
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, check_no_abort, clean_env, free_port,
+                      kill_launched, listening, load_snapshot, python_cmd, run, start, torchrun_cmd)
+
+STEP = re.compile(r"^Step (\d+) \| groups (\d+) \| loss ([\d.]+)$", re.M)
+NOT_COMMITTED = re.compile(r"^Step (\d+) \| not committed", re.M)
+HEALED = re.compile(r"^Healed from a live group: at step (\d+) now \(was (\d+)\)$", re.M)
+SUMMARY = re.compile(r"^Summary: steps committed (\d+) \| by this group (\d+) tried \| groups per step (\d+)-(\d+) \|",
+                     re.M)
+# A dead group costs the others two seconds of missed heartbeats, then they form a quorum without it. Less is
+# possible on an idle machine; on a busy one a live group can miss heartbeats for a second.
+# Each group sleeps this long after a step: a group that joins must find the others still training, however long its
+# start takes on a busy machine (10 s is seen), and the steps then run at much the same pace on any machine.
+DELAY = "0.1"
+LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
+
+
+@pytest.fixture
+def lighthouse():
+    port = free_port()
+    process = start([BIN / "torchft_lighthouse", "--bind", f"127.0.0.1:{port}", *LIGHTHOUSE_FLAGS], cwd=REPO,
+                    env=clean_env(RUST_LOG="warn"))  # at "info" it logs every quorum: a full pipe would stall it
+    deadline = time.monotonic() + 30
+    while not listening(port):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    process.kill()
+    process.communicate()
+
+
+class Group:
+    """One replica group: `torchrun --nproc_per_node=1 fault_tolerant.py`, its output read as it comes."""
+
+    def __init__(self, tmp_path, name, lighthouse, *args):
+        self.name, self.weights, self.events = name, tmp_path / f"{name}.pt", tmp_path / f"{name}-steps"
+        self.events.mkdir()
+        # The test probe (tests/support) writes a line for every step of the process's real optimizer.
+        env = clean_env(DDP_EXAMPLES_PROBE_SAMPLES=self.events)
+        self.process = start(torchrun_cmd("fault_tolerant.py", "--lighthouse", lighthouse, "--save_weights",
+                                          self.weights, *args, nproc=1), cwd=tmp_path, env=env)
+        self.lines, self.lock = [], threading.Lock()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            with self.lock:
+                self.lines.append(line)
+
+    @property
+    def output(self):
+        with self.lock:
+            return "".join(self.lines)
+
+    def committed(self):
+        """The steps this group committed, in the order it printed them."""
+        return [int(m[1]) for m in STEP.finditer(self.output)]
+
+    def wait_for(self, pattern, timeout=90):
+        deadline = time.monotonic() + timeout
+        while not (match := re.search(pattern, self.output, re.M)):
+            if self.process.poll() is not None:
+                self.reader.join(5)
+                if match := re.search(pattern, self.output, re.M):
+                    return match
+                pytest.fail(f"{self.name} exited {self.process.returncode} before {pattern!r}:\n{self.output[-3000:]}")
+            if time.monotonic() > deadline:
+                kill_launched()
+                pytest.fail(f"{self.name}: no {pattern!r} within {timeout}s:\n{self.output[-3000:]}")
+            time.sleep(0.02)
+        return match
+
+    def kill(self):
+        """SIGKILL the whole group: its torchrun and the worker (which dies with torchrun, and is killed too)."""
+        for pid in [self.process.pid, *children(self.process.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(30)
+        self.reader.join(10)
+
+    def finish(self, timeout=120):
+        try:
+            self.process.wait(timeout)
+        except Exception:
+            kill_launched()
+            pytest.fail(f"{self.name} still running after {timeout}s:\n{self.output[-3000:]}")
+        self.reader.join(10)
+        check_no_abort(self.output, self.name)
+        return self.output
+
+    def optimizer_steps(self):
+        """Steps of the real optimizer, counted inside the process by the probe."""
+        steps = 0
+        for path in self.events.glob("*.jsonl"):
+            steps += sum("step" in json.loads(line) for line in path.read_text().splitlines())
+        return steps
+
+
+def children(pid):
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def assert_finished(group, steps, healed_at=None):
+    """Exit 0; every step committed once, in order, up to `steps`: from 1, or from where the group healed (a group
+    that starts a moment after another may heal from it at once); the real optimizer stepped once for each."""
+    output = group.finish()
+    assert group.process.returncode == 0, output[-3000:]
+    events = [(int(m[1] or m[2]), m[2] is not None) for m in
+              re.finditer(r"^(?:Step (\d+) \| groups|Healed from a live group: at step (\d+) now)", output, re.M)]
+    heals = [step for step, healed in events if healed]
+    assert healed_at is None or heals == [healed_at], output[-3000:]
+    expected = heals[-1] + 1 if heals else 1
+    committed = [step for step, healed in events if not healed]
+    assert committed == list(range(expected, steps + 1)), output[-3000:]
+    assert all(healed for _, healed in events[:len(heals)]), f"healed after steps of its own: {output[-3000:]}"
+    summary = SUMMARY.search(output)
+    assert summary and int(summary[1]) == steps, output[-2000:]
+    assert group.optimizer_steps() == len(committed)
+    return output
+
+
+def assert_same_weights(a, b):
+    first, second = load_snapshot(a.weights), load_snapshot(b.weights)
+    assert first["step"] == second["step"]
+    assert_bitwise_equal(first["model"], second["model"], "model")
+    assert_bitwise_equal(first["optimizer"], second["optimizer"], "optimizer")
+
+
+def test_a_killed_group_costs_the_survivor_no_restart_and_heals_on_return(tmp_path, lighthouse):
+    steps = 300
+    flags = ["--steps", steps, "--step_delay", DELAY]
+    survivor = Group(tmp_path, "survivor", lighthouse, "--replica_id", "0", *flags)
+    victim = Group(tmp_path, "victim", lighthouse, "--replica_id", "1", *flags)
+    victim.wait_for(r"^Step 20 \| groups 2 ")
+    victim.kill()
+    assert victim.process.returncode == -signal.SIGKILL
+    at_kill = max(survivor.committed())
+    # Alone, without a restart: the survivor's quorum shrinks to itself and its step counter rises.
+    alone = at_kill + 15
+    survivor.wait_for(rf"^Step {alone} \| groups 1 ")
+    returned = Group(tmp_path, "returned", lighthouse, "--replica_id", "1", *flags)
+    healed = int(returned.wait_for(HEALED.pattern)[1])
+    assert alone <= healed < steps, returned.output
+    assert_finished(returned, steps, healed_at=healed)
+    output = assert_finished(survivor, steps)
+    # The step the victim died in was tried again, not lost; and the two trained together again after the heal.
+    assert len(NOT_COMMITTED.findall(output)) <= 2, output
+    groups = {int(m[1]): int(m[2]) for m in STEP.finditer(output)}
+    assert groups[at_kill] == 2 and groups[alone] == 1 and groups[steps] == 2, output[-2000:]
+    assert_same_weights(survivor, returned)
+
+
+@pytest.mark.quick
+def test_one_group_learns_alone(tmp_path, lighthouse):
+    group = Group(tmp_path, "alone", lighthouse, "--replica_id", "0", "--num_replicas", "1", "--steps", "60")
+    output = assert_finished(group, 60)
+    losses = [float(m[3]) for m in STEP.finditer(output)]
+    assert sum(losses[-10:]) < sum(losses[:10]) / 3, "the loss falls"
+    assert re.search(r"groups per step 1-1 \|.* replica group 0 \| backend gloo$", output, re.M), output[-1000:]
+    assert load_snapshot(group.weights)["step"] == 60
+
+
+def test_a_group_that_joins_late_heals_and_both_learn(tmp_path, lighthouse):
+    steps = 200
+    first = Group(tmp_path, "first", lighthouse, "--replica_id", "0", "--steps", steps, "--step_delay", DELAY)
+    first.wait_for(r"^Step 10 \| groups 1 ")
+    late = Group(tmp_path, "late", lighthouse, "--replica_id", "1", "--steps", steps, "--step_delay", DELAY)
+    healed = int(late.wait_for(HEALED.pattern)[1])
+    assert 10 <= healed < steps
+    output = assert_finished(first, steps)
+    assert_finished(late, steps, healed_at=healed)
+    losses = [float(m[3]) for m in STEP.finditer(output)]
+    assert sum(losses[-20:]) < sum(losses[:20]) / 3, "the loss falls"
+    assert "groups 2" in output
+    assert_same_weights(first, late)
+
+
+def test_no_lighthouse_is_one_line_within_seconds(tmp_path):
+    began = time.monotonic()
+    result = run(torchrun_cmd("fault_tolerant.py", "--replica_id", "0", "--lighthouse",
+                              f"http://127.0.0.1:{free_port()}", "--timeout", "2", nproc=1),
+                 cwd=tmp_path, timeout=60, check=False)
+    assert_one_line_error(result, "no lighthouse answers at http://127.0.0.1:", "--lighthouse", code=1)
+    assert time.monotonic() - began < 30
+
+
+def test_a_group_with_another_model_is_one_line_and_the_others_train_on(tmp_path, lighthouse):
+    steps = 200
+    running = Group(tmp_path, "running", lighthouse, "--replica_id", "0", "--steps", steps, "--step_delay", DELAY)
+    running.wait_for(r"^Step 10 \| groups 1 ")
+    began = time.monotonic()
+    result = run(torchrun_cmd("fault_tolerant.py", "--replica_id", "1", "--lighthouse", lighthouse, "--hidden", "32",
+                              "--steps", steps, "--step_delay", DELAY, nproc=1), cwd=tmp_path, timeout=60, check=False)
+    assert_one_line_error(result, "does not fit the running groups'", "--hidden 32", "net.0.weight 64x20", code=1)
+    assert time.monotonic() - began < 30
+    assert running.process.poll() is None, "the running group goes on"
+    assert_finished(running, steps)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replica_id", "2", "--num_replicas", "2"], "--replica_id must be between 0 and --num_replicas - 1"),
+    (["--replica_id", "0", "--steps", "0"], "--steps must be at least 1"),
+])
+def test_bad_flags_are_one_line(args, message):
+    result = run(python_cmd("fault_tolerant.py", *args), cwd=REPO, timeout=60, check=False)
+    assert_one_line_error(result, message)
+
+
+def test_started_without_torchrun_says_how(tmp_path):
+    result = run(python_cmd("fault_tolerant.py", "--replica_id", "0"), cwd=tmp_path, timeout=60, check=False)
+    assert_one_line_error(result, "torchrun --standalone --nproc_per_node=1 fault_tolerant.py")

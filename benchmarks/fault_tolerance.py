@@ -1,6 +1,6 @@
 """What a dead worker costs the healthy ones: torchft (fault_tolerant.py) against a restart from a snapshot.
 
-    python benchmarks/fault_tolerance.py                       # 400 steps, the kill at step 150, median of 3
+    python benchmarks/fault_tolerance.py                       # 1500 steps, the kill after step 150, median of 3
     python benchmarks/fault_tolerance.py --quick               # one short run of each, for a smoke test
 
 The same job both ways: the tutorial's MLP on the same synthetic data, 2 workers of batch 32 each, gloo on the
@@ -17,6 +17,8 @@ Measured on the healthy worker 0, from the time each of its step lines arrives: 
 step (every pause between two steps longer than 3 median steps, less one median step, counted from the kill on);
 redone_steps, the steps it trained twice (torchft: its steps that were not committed; restart: those since the
 snapshot); regained_s, the seconds from the kill until it had finished again as many steps as it had at the kill.
+Also victim_back_s, the seconds until the killed worker, started again, finished a step (torchft: after healing; None
+if the healthy group finished first, as in --quick).
 Writes fault_tolerance.json and fault_tolerance.png to --out (default benchmarks/results).
 """
 import argparse
@@ -152,8 +154,10 @@ def run_torchft(args, tmp):
         times_steps = [(t, int(m[1])) for t, line in healthy if (m := TORCHFT_STEP.match(line))]
         redone = sum(1 for t, line in healthy if t > kill_time and NOT_COMMITTED.match(line))
         result = measure(times_steps, kill_time, args.kill_at, redone)
-        healed = [line for _, line in groups[1].lines if line.startswith("Healed")]
-        result["victim_healed"] = healed[-1] if healed else None
+        healed = [line for t, line in groups[1].lines if t > kill_time and line.startswith("Healed")]
+        result["victim_healed"] = healed[0] if healed else None  # None: the others finished before it was back
+        back = [t for t, line in groups[1].lines if t > kill_time and TORCHFT_STEP.match(line)]
+        result["victim_back_s"] = back[0] - kill_time if healed and back else None
         return result
     finally:
         lighthouse.kill()
@@ -174,7 +178,10 @@ def run_restart(args, tmp):
         raise RuntimeError(f"the restart job exited {code}: {job.tail()}")
     times_steps = [(t, int(m[2])) for t, line in job.lines if (m := RESTART_STEP.match(line)) and m[1] == "0"]
     resumed = min(s for t, s in times_steps if t > kill_time) - 1  # the snapshot's step
-    return measure(times_steps, kill_time, args.kill_at, args.kill_at - resumed)
+    result = measure(times_steps, kill_time, args.kill_at, args.kill_at - resumed)
+    back = [t for t, line in job.lines if t > kill_time and (m := RESTART_STEP.match(line)) and m[1] == "1"]
+    result["victim_back_s"] = back[0] - kill_time
+    return result
 
 
 def worker(args):
@@ -243,7 +250,7 @@ def plot(results, path):
 
 def main(args):
     if args.quick:
-        args.steps, args.kill_at, args.save_every_steps, args.repeats = 120, 40, 20, 1
+        args.steps, args.kill_at, args.save_every_steps, args.repeats = 120, 50, 20, 1
     if not 0 < args.kill_at < args.steps:
         raise SystemExit("error: --kill_at must be between 0 and --steps")
     machine = report.machine("gloo", 2)
@@ -255,14 +262,18 @@ def main(args):
                 runs.append(method(args, tmp))
         results[name] = {key: statistics.median(run[key] for run in runs)
                          for key in ("stopped_s", "regained_s", "redone_steps", "step_ms")}
+        back = [run["victim_back_s"] for run in runs if run["victim_back_s"] is not None]
+        results[name]["victim_back_s"] = statistics.median(back) if back else None
         results[name]["runs"] = runs
     print(report.machine_line(machine))
     print(f"2 workers, batch {args.batch_size} each, {args.steps} steps, worker 1 SIGKILLed after step {args.kill_at} "
           f"and restarted by its torchrun; restart: a snapshot every {args.save_every_steps} steps; median of "
           f"{args.repeats}")
-    print(report.table(["", "healthy worker stopped", "steps redone", "back at the kill's step after", "step"],
+    print(report.table(["", "healthy worker stopped", "steps redone", "back at the kill's step after",
+                        "killed worker steps again after", "step before the kill"],
                        [[name, f"{r['stopped_s']:.2f}s", f"{r['redone_steps']:g}", f"{r['regained_s']:.2f}s",
-                         f"{r['step_ms']:.1f} ms"] for name, r in results.items()]))
+                         "-" if r["victim_back_s"] is None else f"{r['victim_back_s']:.2f}s", f"{r['step_ms']:.1f} ms"]
+                        for name, r in results.items()]))
     data = {"benchmark": "fault_tolerance", "machine": machine, "torch": machine["torch"], "backend": "gloo",
             "world_size": 2, "steps": args.steps, "kill_at": args.kill_at, "batch_per_worker": args.batch_size,
             "save_every_steps": args.save_every_steps, "repeats": args.repeats, "lighthouse": LIGHTHOUSE_FLAGS,
@@ -273,13 +284,14 @@ def main(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400, help="steps of each job (default 400)")
+    parser.add_argument("--steps", type=int, default=1500,
+                        help="steps of each job (default 1500: enough for the killed torchft group to come back)")
     parser.add_argument("--kill_at", type=int, default=150, help="worker 1 is SIGKILLed after this step (default 150)")
     parser.add_argument("--save_every_steps", type=int, default=20,
                         help="the restart job's snapshot interval N (default 20, step_checkpoints.py's default)")
     parser.add_argument("--batch_size", type=int, default=32, help="samples per step and worker (default 32)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; medians reported (default 3)")
-    parser.add_argument("--quick", action="store_true", help="one short run of each: 120 steps, the kill at 40")
+    parser.add_argument("--quick", action="store_true", help="one short run of each: 120 steps, the kill after 50")
     parser.add_argument("--launch_timeout", type=float, default=300, help="seconds a job may take")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="where to write the JSON and the plot")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

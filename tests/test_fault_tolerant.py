@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -29,8 +30,7 @@ DELAY = "0.1"
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
 
 
-@pytest.fixture
-def lighthouse():
+def start_lighthouse():
     port = free_port()
     process = start([BIN / "torchft_lighthouse", "--bind", f"127.0.0.1:{port}", *LIGHTHOUSE_FLAGS], cwd=REPO,
                     env=clean_env(RUST_LOG="warn"))  # at "info" it logs every quorum: a full pipe would stall it
@@ -38,7 +38,13 @@ def lighthouse():
     while not listening(port):
         assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
+    return process, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def lighthouse():
+    process, address = start_lighthouse()
+    yield address
     process.kill()
     process.communicate()
 
@@ -207,6 +213,19 @@ def test_no_lighthouse_is_one_line_within_seconds(tmp_path):
                  cwd=tmp_path, timeout=60, check=False)
     assert_one_line_error(result, "no lighthouse answers at http://127.0.0.1:", "--lighthouse", code=1)
     assert time.monotonic() - began < 30
+
+
+def test_a_lighthouse_that_dies_is_one_line(tmp_path):
+    process, address = start_lighthouse()
+    group = Group(tmp_path, "orphan", address, "--replica_id", "0", "--steps", "100000", "--timeout", "2")
+    group.wait_for(r"^Step 20 \| groups 1 ")
+    process.kill()
+    process.communicate()
+    began = time.monotonic()
+    group.finish(timeout=60)
+    assert time.monotonic() - began < 30
+    result = subprocess.CompletedProcess(group.process.args, group.process.returncode, group.output, group.output)
+    assert_one_line_error(result, f"no quorum from the lighthouse at {address} within 2s", "still running", code=1)
 
 
 def test_a_group_with_another_model_is_one_line_and_the_others_train_on(tmp_path, lighthouse):

@@ -1,10 +1,12 @@
 """What a dead worker costs the healthy ones: torchft (fault_tolerant.py) against a restart from a snapshot.
 
-    python benchmarks/fault_tolerance.py                       # 1500 steps, the kill after step 150, median of 3
+    python benchmarks/fault_tolerance.py                       # 400 steps, the kill after step 150, median of 3
     python benchmarks/fault_tolerance.py --quick               # one short run of each, for a smoke test
 
 The same job both ways: the tutorial's MLP on the same synthetic data, 2 workers of batch 32 each, gloo on the
-CPU, every worker under `torchrun --max_restarts=1`. The same failure: worker 1 SIGKILLed right after its step
+CPU, every worker under `torchrun --max_restarts=1`; each step sleeps --step_delay (50 ms) after the optimizer
+step, standing in for a real model's compute (the MLP's own step takes a few ms, less than torchft's per-step
+round trips). The same failure: worker 1 SIGKILLed right after its step
 --kill_at; its torchrun starts it again.
 
 - torchft: a torchft_lighthouse and two replica groups, `torchrun --nproc_per_node=1 fault_tolerant.py`. Worker 0
@@ -138,10 +140,12 @@ def run_torchft(args, tmp):
         time.sleep(0.5)
         groups = [Launch([BIN / "torchrun", "--standalone", "--nproc_per_node=1", "--max_restarts=1",
                           REPO / "fault_tolerant.py", "--replica_id", str(i), "--steps", str(args.steps),
-                          "--batch_size", str(args.batch_size), "--lighthouse", f"http://127.0.0.1:{port}"], tmp)
+                          "--batch_size", str(args.batch_size), "--step_delay", str(args.step_delay),
+                          "--lighthouse", f"http://127.0.0.1:{port}"], tmp)
                   for i in range(2)]
         try:
-            groups[1].wait_for(rf"^Step {args.kill_at} \|", args.launch_timeout)
+            # The group that starts second heals from the first; the kill comes once both step together.
+            groups[1].wait_for(rf"^Step {args.kill_at} \| groups 2 ", args.launch_timeout)
             os.kill(worker_of(groups[1].process.pid, 0), signal.SIGKILL)
             kill_time = time.perf_counter()
             codes = [group.finish(args.launch_timeout) for group in groups]
@@ -166,7 +170,8 @@ def run_torchft(args, tmp):
 def run_restart(args, tmp):
     job = Launch([BIN / "torchrun", "--standalone", "--nproc_per_node=2", "--max_restarts=1", __file__, "--worker",
                   "--steps", str(args.steps), "--batch_size", str(args.batch_size), "--save_every_steps",
-                  str(args.save_every_steps), "--snapshot", Path(tmp) / "snapshot.pt"], tmp)
+                  str(args.save_every_steps), "--step_delay", str(args.step_delay), "--snapshot",
+                  Path(tmp) / "snapshot.pt"], tmp)
     try:
         job.wait_for(rf"^rank 1 step {args.kill_at}$", args.launch_timeout)
         os.kill(worker_of(job.process.pid, 1), signal.SIGKILL)
@@ -189,6 +194,7 @@ def worker(args):
     them, a snapshot every --save_every_steps steps written by rank 0, resumed from at start."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401  before any process group: docs/failures.md, clean exits
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -222,11 +228,12 @@ def worker(args):
         F.mse_loss(model(x), y).backward()
         optimizer.step()
         step += 1
-        print(f"rank {rank} step {step}", flush=True)
+        os.write(1, f"rank {rank} step {step}\n".encode())  # one write: the two ranks share the pipe
+        time.sleep(args.step_delay)
         if step % args.save_every_steps == 0 and rank == 0:
             snapshot.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                           args.snapshot)
-    del model, optimizer
+    del model, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
     dist.destroy_process_group()
 
 
@@ -250,7 +257,7 @@ def plot(results, path):
 
 def main(args):
     if args.quick:
-        args.steps, args.kill_at, args.save_every_steps, args.repeats = 120, 50, 20, 1
+        args.steps, args.kill_at, args.save_every_steps, args.repeats = 200, 110, 20, 1
     if not 0 < args.kill_at < args.steps:
         raise SystemExit("error: --kill_at must be between 0 and --steps")
     machine = report.machine("gloo", 2)
@@ -266,9 +273,9 @@ def main(args):
         results[name]["victim_back_s"] = statistics.median(back) if back else None
         results[name]["runs"] = runs
     print(report.machine_line(machine))
-    print(f"2 workers, batch {args.batch_size} each, {args.steps} steps, worker 1 SIGKILLed after step {args.kill_at} "
-          f"and restarted by its torchrun; restart: a snapshot every {args.save_every_steps} steps; median of "
-          f"{args.repeats}")
+    print(f"2 workers, batch {args.batch_size} each, {args.steps} steps of {1000 * args.step_delay:g} ms compute and "
+          f"the MLP, worker 1 SIGKILLed after step {args.kill_at} and restarted by its torchrun; restart: a snapshot "
+          f"every {args.save_every_steps} steps; median of {args.repeats}")
     print(report.table(["", "healthy worker stopped", "steps redone", "back at the kill's step after",
                         "killed worker steps again after", "step before the kill"],
                        [[name, f"{r['stopped_s']:.2f}s", f"{r['redone_steps']:g}", f"{r['regained_s']:.2f}s",
@@ -276,6 +283,7 @@ def main(args):
                         for name, r in results.items()]))
     data = {"benchmark": "fault_tolerance", "machine": machine, "torch": machine["torch"], "backend": "gloo",
             "world_size": 2, "steps": args.steps, "kill_at": args.kill_at, "batch_per_worker": args.batch_size,
+            "step_delay_s": args.step_delay,
             "save_every_steps": args.save_every_steps, "repeats": args.repeats, "lighthouse": LIGHTHOUSE_FLAGS,
             "results": results}
     print(f"Wrote {report.write_json(args.out / 'fault_tolerance.json', data)} and "
@@ -284,14 +292,15 @@ def main(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=1500,
-                        help="steps of each job (default 1500: enough for the killed torchft group to come back)")
+    parser.add_argument("--steps", type=int, default=400, help="steps of each job (default 400)")
     parser.add_argument("--kill_at", type=int, default=150, help="worker 1 is SIGKILLed after this step (default 150)")
     parser.add_argument("--save_every_steps", type=int, default=20,
                         help="the restart job's snapshot interval N (default 20, step_checkpoints.py's default)")
     parser.add_argument("--batch_size", type=int, default=32, help="samples per step and worker (default 32)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; medians reported (default 3)")
-    parser.add_argument("--quick", action="store_true", help="one short run of each: 120 steps, the kill after 50")
+    parser.add_argument("--step_delay", type=float, default=0.05,
+                        help="seconds each step sleeps, in both jobs: a model's compute (default 0.05)")
+    parser.add_argument("--quick", action="store_true", help="one short run of each: 200 steps, the kill after 110")
     parser.add_argument("--launch_timeout", type=float, default=300, help="seconds a job may take")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="where to write the JSON and the plot")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

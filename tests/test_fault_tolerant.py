@@ -256,20 +256,20 @@ def test_started_without_torchrun_says_how(tmp_path):
 
 
 def test_the_benchmark_quick_mode_writes_consistent_figures(tmp_path):
-    """benchmarks/fault_tolerance.py --quick: both ways once, the kill after step 50, a snapshot every 20 steps."""
+    """benchmarks/fault_tolerance.py --quick: both ways once, the kill after step 110, a snapshot every 20 steps."""
     result = run(python_cmd("benchmarks/fault_tolerance.py", "--quick", "--out", tmp_path), cwd=REPO, timeout=300)
     data = json.loads((tmp_path / "fault_tolerance.json").read_text())
-    assert data["benchmark"] == "fault_tolerance" and data["kill_at"] == 50 and data["save_every_steps"] == 20
+    assert data["benchmark"] == "fault_tolerance" and data["kill_at"] == 110 and data["save_every_steps"] == 20
     assert data["machine"]["cpu_cores"] >= 1 and data["torch"] == data["machine"]["torch"]
     torchft, restart = data["results"]["torchft"], data["results"]["restart"]
-    assert restart["redone_steps"] == 10, "from the snapshot of step 40 to the kill after step 50"
+    assert restart["redone_steps"] == 10, "from the snapshot of step 100 to the kill after step 110"
     assert torchft["redone_steps"] <= 2, "at most the step under way when the peer died, tried again"
     for row in (torchft, restart):
         assert 0 < row["stopped_s"] <= row["regained_s"] + 1 and row["step_ms"] > 0
         timeline = row["runs"][0]["timeline"]
-        assert [s for t, s in timeline if t > 0][-1] == 120, "the healthy worker finished every step"
+        assert [s for t, s in timeline if t > 0][-1] == 200, "the healthy worker finished every step"
     # The restart counts again from the snapshot; torchft never goes back.
-    assert min(s for t, s in restart["runs"][0]["timeline"] if t > 0) == 41
-    assert min(s for t, s in torchft["runs"][0]["timeline"] if t > 0) >= 50
+    assert min(s for t, s in restart["runs"][0]["timeline"] if t > 0) == 101
+    assert min(s for t, s in torchft["runs"][0]["timeline"] if t > 0) >= 110
     assert (tmp_path / "fault_tolerance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "healthy worker stopped" in result.stdout

@@ -158,6 +158,7 @@ def assert_same_weights(a, b):
     assert_bitwise_equal(first["optimizer"], second["optimizer"], "optimizer")
 
 
+@pytest.mark.slow  # about 50 s on 2 busy cores: the late joiner below heals in the developer loop
 def test_a_killed_group_costs_the_survivor_no_restart_and_heals_on_return(tmp_path, lighthouse):
     steps = 300
     flags = ["--steps", steps, "--step_delay", DELAY]

@@ -257,6 +257,7 @@ def test_started_without_torchrun_says_how(tmp_path):
     assert_one_line_error(result, "torchrun --standalone --nproc_per_node=1 fault_tolerant.py")
 
 
+@pytest.mark.slow  # 50-60 s
 def test_the_benchmark_quick_mode_writes_consistent_figures(tmp_path):
     """benchmarks/fault_tolerance.py --quick: both ways once, the kill after step 110, a snapshot every 20 steps."""
     result = run(python_cmd("benchmarks/fault_tolerance.py", "--quick", "--out", tmp_path), cwd=REPO, timeout=300)

@@ -131,11 +131,6 @@ def _flight_recorder(stacks=False):
     return dump, [e for e in dump["entries"] if str(e.get("process_group", ("",))[0]) == name]
 
 
-def _for_torchfrtrace(dump):
-    """The dump as torchfrtrace reads it (diagnose.lines.for_torchfrtrace)."""
-    return lines.for_torchfrtrace(dump)
-
-
 def _shapes(sizes):
     shapes = ["[" + ", ".join(map(str, size)) + "]" for size in sizes or []]
     return ", ".join(shapes[:3]) + (", ..." if len(shapes) > 3 else "")
@@ -290,29 +285,12 @@ def _dump_folder(folder):
 
 
 def _write_dump(rank, folder):
-    """This rank's flight recorder dump, with the stacks, where torchfrtrace reads it (written whole or not at
-    all); whether it was written."""
-    prefix, _ = _dump_folder(folder)
-    dump, _ = _flight_recorder(stacks=True)
-    if dump is None:
-        return False
-    path = f"{prefix}{rank}"
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path + ".tmp", "wb") as f:
-            pickle.dump(_for_torchfrtrace(dump), f)
-        os.replace(path + ".tmp", path)
-    except (OSError, pickle.PicklingError):
-        return False
-    return True
+    """This rank's flight recorder dump, with the stacks, where torchfrtrace reads it (diagnose.lines.write_dump);
+    whether it was written."""
+    return lines.write_dump(rank, folder)
 
 
 # ---- the line ----
-
-def _ranks(ranks):
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
 
 def _collective(entry, number=True):
     """'#37 (all_reduce of [5569], DDP's gradients in backward(), at hangs.py:92)', with what is known; without
@@ -357,12 +335,12 @@ def compose(me, entries, world_size, stopped=False, store_lost=False, dumps=None
             head = f"lost contact with the other ranks at collective {_collective(first)}"
         else:
             seqs = {signature[0] for signature in groups}
-            sides = "; ".join(f"{_ranks(ranks)} {_collective(entries[ranks[0]], number=len(seqs) > 1)}"
+            sides = "; ".join(f"{lines.ranks_text(ranks)} {_collective(entries[ranks[0]], number=len(seqs) > 1)}"
                               for _, ranks in sorted(groups.items(), key=lambda item: item[1]))
             sizes = sorted(len(ranks) for ranks in groups.values())
             odd = ""
             if len(sizes) == 2 and sizes[0] < sizes[1]:
-                odd = f": {_ranks(min(groups.values(), key=len))} is the odd one out"
+                odd = f": {lines.ranks_text(min(groups.values(), key=len))} is the odd one out"
             if len(seqs) == 1:
                 parts.append(f"the ranks called different collectives at #{first['seq']}: {sides}{odd} (a rank "
                              "skipped a collective or called another, or another shape, in its place)")
@@ -371,7 +349,7 @@ def compose(me, entries, world_size, stopped=False, store_lost=False, dumps=None
                              "collective, or those ahead called one more)")
         if silent:
             absent = sorted(set(silent) | {r for entry in entries.values() for r in entry.get("absent", [])})
-            who, what = _ranks(silent), "its" if len(silent) == 1 else "their"
+            who, what = lines.ranks_text(silent), "its" if len(silent) == 1 else "their"
             if _shows_a_rank_gone(entries) and len(silent) == 1:
                 parts.append(f"{who} did not answer: gone, {what} connection closed (killed, crashed, aborted or "
                              "finished; the launcher's report says how it ended, and its own output why)")
@@ -389,7 +367,7 @@ def compose(me, entries, world_size, stopped=False, store_lost=False, dumps=None
                              "data loader, a deadlock, a branch that only some ranks take); see where it waits with "
                              "`py-spy dump --pid PID` while it hangs, or faulthandler")
             if absent != silent:
-                parts.append(f"TORCH_DISTRIBUTED_DEBUG=DETAIL's monitored barrier missed {_ranks(absent)}")
+                parts.append(f"TORCH_DISTRIBUTED_DEBUG=DETAIL's monitored barrier missed {lines.ranks_text(absent)}")
         elif len(groups) == 1:
             if not first.get("kind"):
                 parts.append("every rank waited there and none arrived at the others': they called different "

@@ -146,7 +146,7 @@ def write_dump(rank, folder):
     return True
 
 
-def _ranks(ranks):
+def ranks_text(ranks):
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
@@ -230,12 +230,12 @@ def compose(question, answers, who, world_size):
         head = f"collective {collective(head_entry, head_view)} failed ({asker.get('error')})"
     if len(signatures) > 1:
         seqs = {s[0] for s in signatures}
-        sides = "; ".join(f"{_ranks(ranks)} in {collective(waiting[ranks[0]], answers[ranks[0]], len(seqs) > 1)}"
+        sides = "; ".join(f"{ranks_text(ranks)} in {collective(waiting[ranks[0]], answers[ranks[0]], len(seqs) > 1)}"
                           for _, ranks in sorted(signatures.items(), key=lambda item: item[1]))
         sizes = sorted(len(ranks) for ranks in signatures.values())
         odd = ""
         if len(sizes) == 2 and sizes[0] < sizes[1]:
-            odd = f"; {_ranks(min(signatures.values(), key=len))} is the odd one out"
+            odd = f"; {ranks_text(min(signatures.values(), key=len))} is the odd one out"
         parts.append(f"the ranks wait in different collectives: {sides}{odd} (a rank skipped a collective, or "
                      "called another or another shape in its place)")
     for rank in elsewhere:

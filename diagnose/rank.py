@@ -459,15 +459,18 @@ def _rank():
 def _uncaught(error):
     """An exception reached the top of a rank: if it is a collective that lost a peer, one line and exit."""
     import torch.distributed as dist
-    if _store is None or not dist.is_initialized() or not lines.lost_peer(error) or _state["exiting"]:
+    if _store is None or not dist.is_initialized() or not lines.lost_peer(error):
         return
     _state["error"] = error
-    if _state["round"]:  # the watchdog answers already: with this error, which says more than a stack
-        try:
-            _store.set(f"{KEY}view/{_rank()}", json.dumps(view(error)))
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(WAIT_S + 3 * STORE_TIMEOUT_S)  # the watchdog ends the process
+    if _state["round"]:
+        # The watchdog asks or answers already, and ends the process: returning now would start the interpreter's
+        # shutdown under it (an abort). Before it has answered, its answer gets this error, which says more.
+        if not _state["exiting"]:
+            try:
+                _store.set(f"{KEY}view/{_rank()}", json.dumps(view(error)))
+            except Exception:  # noqa: BLE001
+                pass
+        time.sleep(WAIT_S + 3 * STORE_TIMEOUT_S)
         return
     question = _ask("failed", None, error)
     if question is not None:

@@ -110,7 +110,7 @@ def test_a_skipped_collective_is_named_on_both_sides_and_torchfrtrace_finds_the_
     ends_in_time(lines, "rank 1: --fault skip at step 3")
     (folder, ranks), = dumps(tmp_path).items()
     assert ranks == [0, 1] and f"torchfrtrace fr_traces/{folder}`" in line
-    # The dumps are what torchfrtrace reads (torch 2.13's gloo dumps alone make it fail: hangs._for_torchfrtrace).
+    # The dumps are what torchfrtrace reads (torch 2.13's gloo dumps alone make it fail: diagnose.lines.for_torchfrtrace).
     analysis = subprocess.run([BIN / "torchfrtrace", f"fr_traces/{folder}"], cwd=tmp_path, capture_output=True,
                               text=True, timeout=120)
     report = analysis.stdout + analysis.stderr  # torchfrtrace reports through logging, on stderr

@@ -1,6 +1,7 @@
 """How the benchmarks and the tests launch the example scripts: a clean environment, the launcher command
 lines, one tiny launch of every script that runs distributed, and a launch with a deadline.
 """
+import gzip
 import os
 import re
 import signal
@@ -11,8 +12,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from ddp_common.mnist import write_idx
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # torchrun and mpirun are installed beside this python
@@ -48,6 +47,14 @@ def mpirun_cmd(script, *args, np_=2):
     """Above 2 ranks on this machine's 2 cores, Open MPI needs --oversubscribe."""
     return [BIN / "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none", sys.executable,
             REPO / script, *args]
+
+
+def write_idx(path, array):
+    """An IDX file of unsigned bytes (gzipped if path ends in .gz), as MNIST's: how tests make MNIST folders."""
+    array = np.asarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    with (gzip.open if path.endswith(".gz") else open)(path, "wb") as f:
+        f.write(header + array.tobytes())
 
 
 def tiny_mnist(directory):

@@ -2,6 +2,7 @@
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,9 +15,16 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.launches import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_cmd, python_cmd,  # noqa: E402,F401
-                                 torchrun_cmd)
-from ddp_common.mnist import read_idx, split_test_set, write_idx  # noqa: E402
-from ddp_common.rendezvous import free_port as any_free_port  # noqa: E402
+                                 torchrun_cmd, write_idx)
+from models_and_data import mnist_splits, read_idx  # noqa: E402,F401
+
+
+def any_free_port(host="127.0.0.1"):
+    """A port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
 
 def free_port(host="127.0.0.1"):
     """A port nobody listens on right now. Under pytest-xdist (-n N), each worker takes only ports whose number
@@ -246,11 +254,9 @@ def assert_bitwise_equal(a, b, what=""):
 def mnist_dir(tmp_path_factory):
     """The real MNIST test images split 8,000 train / 2,000 eval (as train.py splits data/mnist itself), written
     as the four IDX files."""
-    (train_images, train_labels), (test_images, test_labels) = split_test_set(
-        read_idx(str(MNIST / "t10k-images-idx3-ubyte.gz")), read_idx(str(MNIST / "t10k-labels-idx1-ubyte.gz")))
+    (train_images, train_labels), (test_images, test_labels), _ = mnist_splits(str(MNIST))
     directory = tmp_path_factory.mktemp("mnist")
-    write_idx(str(directory / "train-images-idx3-ubyte.gz"), train_images)
-    write_idx(str(directory / "train-labels-idx1-ubyte.gz"), train_labels)
-    write_idx(str(directory / "t10k-images-idx3-ubyte.gz"), test_images)
-    write_idx(str(directory / "t10k-labels-idx1-ubyte.gz"), test_labels)
+    for name, array in (("train-images", train_images), ("train-labels", train_labels),
+                        ("t10k-images", test_images), ("t10k-labels", test_labels)):
+        write_idx(str(directory / f"{name}-idx{3 if 'images' in name else 1}-ubyte.gz"), array.numpy())
     return directory

@@ -1,0 +1,141 @@
+"""Every example stands alone: copied into an empty folder with the one shared module it imports (and the MNIST
+files for train.py, a .env for ddp.py), it runs its documented command there, with nothing of this repository
+importable. Each example's imports are also read from its source: torch, the standard library, the package its
+lesson is about, and at most models_and_data.py (fsdp.py: and its checkpoint sibling).
+"""
+import ast
+import re
+import shutil
+import sys
+
+import pytest
+
+from conftest import BIN, MNIST, REPO, check_no_abort, finish, free_port, listening, start, clean_env, epoch_lines, mpi_env, run, summary
+
+# Top-level packages an example may import besides torch and the standard library, per example.
+LESSON_PACKAGES = {
+    "train.py": {"transformers", "datasets", "numpy", "mpi4py"},
+    "run_with_mpirun.py": {"mpi4py"},
+    "ddp.py": {"dotenv"},
+    "fault_tolerant.py": {"torchft"},
+}
+SIBLINGS = {"fsdp.py": {"models_and_data", "fsdp_checkpoint"}}
+REPOSITORY_PACKAGES = ("ddp_common", "diagnose", "benchmarks", "models_and_data", "fsdp_checkpoint")
+
+
+def examples():
+    top = sorted(p.name for p in REPO.glob("*.py") if p.stem not in REPOSITORY_PACKAGES)
+    return top + sorted(f"by_feature/{p.name}" for p in (REPO / "by_feature").glob("*.py"))
+
+
+def imported_modules(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}: relative import"
+            yield node.module.split(".")[0]
+
+
+@pytest.mark.parametrize("name", examples())
+def test_an_example_imports_only_torch_the_standard_library_its_lesson_and_one_module(name):
+    allowed = {"torch"} | LESSON_PACKAGES.get(name, set())
+    if "/" not in name:  # by_feature/ examples hold their few lines of model and data themselves
+        allowed |= SIBLINGS.get(name, {"models_and_data"})
+    foreign = {m for m in imported_modules(REPO / name) if m not in sys.stdlib_module_names and m not in allowed}
+    assert not foreign, f"{name} imports {sorted(foreign)}"
+    source = (REPO / name).read_text()
+    assert "sys.path" not in source, f"{name} edits sys.path"
+
+
+def test_the_shared_module_is_small_and_imports_only_torch():
+    path = REPO / "models_and_data.py"
+    assert len(path.read_text().splitlines()) <= 160
+    assert {m for m in imported_modules(path) if m not in sys.stdlib_module_names} == {"torch"}
+
+
+SMALL = ("--input_size", "20", "--epochs", "3")
+TORCHRUN = (BIN / "torchrun", "--standalone", "--nproc_per_node=2")
+# script: (launcher argv before the script, arguments). The commands of the scripts' docstrings, at a small size.
+COMMANDS = {
+    "singlegpu.py": ((sys.executable,), ("3", "1")),
+    "multigpu.py": ((sys.executable,), ("3", "1", "--world_size", "2")),
+    "multigpu_torchrun.py": (TORCHRUN, ("3", "1")),
+    "multinode.py": (TORCHRUN, ("3", "1")),
+    "fsdp.py": (TORCHRUN, ("3", "1", "--batch_size", "256")),
+    "torchrun_ddp.py": (TORCHRUN, SMALL),
+    "ddp.py": ((sys.executable,), (*SMALL, "--world_size", "2", "--batch_size", "256")),
+    "run_with_torchrun.py": (TORCHRUN, ()),
+    "run_with_python.py": ((sys.executable,), ("--world_size", "2")),
+    "run_with_mpirun.py": ((BIN / "mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable),
+                           ("--train", "3", "1")),
+    "train.py": (TORCHRUN, ("--data_dir", "mnist", "--output_dir", "out", "--max_train_samples", "256",
+                            "--max_eval_samples", "128", "--num_train_epochs", "1", "--disable_tqdm", "True")),
+}
+COMMANDS.update({f"by_feature/{p.name}": (TORCHRUN, SMALL + (("--comm_hook", "powersgd") if "powersgd" in p.name
+                                                               or p.name == "comm_hooks.py" else ()))
+                 for p in (REPO / "by_feature").glob("*.py")})
+
+
+def copy_alone(name, folder):
+    """The example and the repository modules it imports, alone in `folder`; returns the copied script's name."""
+    folder.mkdir()
+    shutil.copy(REPO / name, folder)
+    for module in set(imported_modules(REPO / name)) & set(REPOSITORY_PACKAGES):
+        shutil.copy(REPO / f"{module}.py", folder)
+    if name == "train.py":
+        shutil.copytree(MNIST, folder / "mnist")
+    if name == "ddp.py":
+        shutil.copy(REPO / ".env.example", folder / ".env")
+    return folder / name.split("/")[-1]
+
+
+def env_alone(name):
+    env = (mpi_env if "mpirun" in name else clean_env)()
+    env.pop("PYTHONPATH", None)  # tests/support's probe alone goes on it (conftest.run): it checks the clean exit
+    return env
+
+
+def test_nothing_of_the_repository_can_be_imported_in_an_empty_folder(tmp_path):
+    for package in REPOSITORY_PACKAGES:
+        result = run([sys.executable, "-c", f"import {package}"], cwd=tmp_path, env=env_alone(""), check=False)
+        assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr, (package, result.stderr[-500:])
+
+
+@pytest.mark.parametrize("name", [n for n in examples() if n in COMMANDS])
+def test_a_copied_example_runs_its_documented_command_alone(tmp_path, name):
+    script = copy_alone(name, tmp_path / "copy")
+    launcher, args = COMMANDS[name]
+    out = run([*launcher, script.name, *args], cwd=script.parent, env=env_alone(name), timeout=300).stdout
+    if name == "train.py":
+        assert (script.parent / "out" / "trainer_state.json").is_file(), out[-3000:]
+    elif name.startswith("run_with_") and "--train" not in args:
+        assert "Collectives on 2 rank(s), as rank 0 saw them" in out and "| NO on rank" not in out, out[-3000:]
+    else:
+        lines = epoch_lines(out, "DDP" if name == "ddp.py" else None)
+        assert len(lines) == 3 and lines[-1].loss < lines[0].loss, out[-3000:]
+        assert summary(out).backend in ("gloo", "nccl", "none"), out[-3000:]
+    check_no_abort(out, name)
+
+
+def test_every_example_has_a_copy_test():
+    untested = set(examples()) - set(COMMANDS) - {"hangs.py", "fault_tolerant.py"}  # each has its test below
+    assert not untested, f"examples without a command in COMMANDS: {sorted(untested)}"
+
+
+def test_a_copied_fault_tolerant_py_trains_one_group_with_a_lighthouse(tmp_path):
+    script = copy_alone("fault_tolerant.py", tmp_path / "copy")
+    port = free_port()
+    lighthouse = start([BIN / "torchft_lighthouse", "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
+                        "--join_timeout_ms", "1000"], cwd=tmp_path, env={**env_alone(""), "RUST_LOG": "warn"})
+    try:
+        while not listening(port):
+            assert lighthouse.poll() is None, lighthouse.stdout.read()
+        out = run([*TORCHRUN[:-1], "--nproc_per_node=1", script.name, "--replica_id", "0", "--num_replicas", "1",
+                   "--steps", "20", "--lighthouse", f"http://127.0.0.1:{port}"], cwd=script.parent,
+                  env=env_alone("fault_tolerant.py"), timeout=300).stdout
+    finally:
+        lighthouse.kill()
+        finish(lighthouse, 30)
+    assert re.search(r"^Step 20 \|", out, re.M), out[-3000:]

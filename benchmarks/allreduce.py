@@ -32,12 +32,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import report  # noqa: E402
+from benchmarks import common, report  # noqa: E402
 import torch.distributed.nn  # noqa: E402,F401  imported before any process group: docs/failures.md, clean exits
-from ddp_common import cli, launchers, mpi  # noqa: E402
-from ddp_common.devices import check_backend  # noqa: E402
-from ddp_common.errors import UsageError  # noqa: E402
-from ddp_common.rendezvous import group_store  # noqa: E402
+from benchmarks.common import UsageError, check_backend, group_store  # noqa: E402
 
 ELEMENT = torch.tensor([], dtype=torch.float32).element_size()
 
@@ -201,13 +198,14 @@ def main(args):
         args.max_size, args.repeats, args.warmup, args.seconds = min(args.max_size, 64 * 2 ** 10), 5, 2, 0.05
     sizes = sizes_between(args.min_size, args.max_size)
     comm = None
-    if launchers.launched_by_mpirun():
+    if common.launched_by_mpirun():
         launcher = "mpirun"
-        mpi.setup_environment()
-        from mpi4py import MPI
-        comm = MPI.COMM_WORLD
-    else:
+        comm = common.setup_mpi_environment()
+    elif "RANK" in os.environ:
         launcher = "torchrun"
+    else:
+        raise UsageError("allreduce.py is started by torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE; run "
+                         "`torchrun --standalone --nproc_per_node=2 benchmarks/allreduce.py`")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
@@ -244,18 +242,18 @@ def report_results(args, rows, machine, backend, world_size, device, launcher):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="All-reduce bandwidth (nccl-tests' algbw/busbw) against the "
+    parser = common.ArgumentParser(description="All-reduce bandwidth (nccl-tests' algbw/busbw) against the "
                                             "memory-copy, loopback-TCP and MPI ceilings of the same machine.")
     parser.add_argument("--min_size", type=byte_size, default=2 ** 10, help="smallest message (default 1K)")
     parser.add_argument("--max_size", type=byte_size, default=2 ** 28,
                         help="largest message; sizes double from --min_size (default 256M)")
-    parser.add_argument("--repeats", "--iters", type=cli.positive_int, default=20,
+    parser.add_argument("--repeats", "--iters", type=common.positive_int, default=20,
                         help="most timed repeats per size; the median is reported (default 20)")
-    parser.add_argument("--warmup", type=cli.positive_int, default=5, help="untimed calls per size first")
-    parser.add_argument("--seconds", type=cli.positive_float, default=1.0,
+    parser.add_argument("--warmup", type=common.positive_int, default=5, help="untimed calls per size first")
+    parser.add_argument("--seconds", type=common.positive_float, default=1.0,
                         help="time budget per measurement; at least 3 iterations are timed (default 1.0)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: sizes up to 64K, few iterations (for tests, not for numbers)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON and PNG")
-    cli.add_distributed_args(parser)
-    cli.run(main, parser)
+    common.add_distributed_args(parser)
+    common.run(main, parser)

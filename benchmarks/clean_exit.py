@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import report  # noqa: E402
+from benchmarks import common, report  # noqa: E402
+from benchmarks.common import UsageError  # noqa: E402
 from benchmarks.launches import LAUNCHES, aborted, launch_argv, launch_env, launch_once  # noqa: E402
-from ddp_common import cli  # noqa: E402
-from ddp_common.errors import UsageError  # noqa: E402
 
 # singlegpu.py starts neither processes nor a process group: nothing for it to tear down.
 JOBS = [name for name in LAUNCHES if name != "singlegpu.py"]
@@ -76,11 +75,11 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="Launch every distributed job many times; count the clean exits.")
+    parser = common.ArgumentParser(description="Launch every distributed job many times; count the clean exits.")
     parser.add_argument("--jobs", nargs="+", default=JOBS, metavar="JOB",
                         help=f"jobs to launch (default: all of {', '.join(JOBS)})")
-    parser.add_argument("--repeats", type=cli.positive_int, default=15, help="launches per job (default 15)")
-    parser.add_argument("--launch_timeout", type=cli.positive_float, default=300,
+    parser.add_argument("--repeats", type=common.positive_int, default=15, help="launches per job (default 15)")
+    parser.add_argument("--launch_timeout", type=common.positive_float, default=300,
                         help="seconds before a launch is killed and counted as hung (default 300)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON")
-    cli.run(main, parser)
+    common.run(main, parser)

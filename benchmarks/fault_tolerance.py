@@ -38,8 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import report  # noqa: E402
+from benchmarks.common import free_port, group_store  # noqa: E402
 from benchmarks.launches import BIN, REPO, clean_env  # noqa: E402
-from ddp_common.rendezvous import free_port  # noqa: E402
 
 # The lighthouse as docs/fault-tolerance.md starts it: a group silent for 2 s is dead.
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
@@ -198,10 +198,7 @@ def worker(args):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddp_common import snapshot
-    from ddp_common.data import regression_dataset
-    from ddp_common.models import MLP
-    from ddp_common.rendezvous import group_store
+    from models_and_data import MLP, regression_dataset
 
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -231,8 +228,11 @@ def worker(args):
         os.write(1, f"rank {rank} step {step}\n".encode())  # one write: the two ranks share the pipe
         time.sleep(args.step_delay)
         if step % args.save_every_steps == 0 and rank == 0:
-            snapshot.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                          args.snapshot)
+            # Written beside it, then renamed over it: a kill mid-save leaves the previous snapshot whole.
+            with open(args.snapshot + ".tmp", "wb") as f:
+                torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, f)
+                os.fsync(f.fileno())
+            os.replace(args.snapshot + ".tmp", args.snapshot)
     del model, optimizer  # DDP holds the process group: free it first, so destroy_process_group frees the group
     dist.destroy_process_group()
 

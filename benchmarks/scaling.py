@@ -44,19 +44,52 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import report  # noqa: E402
+from benchmarks import comm_hooks, common, report  # noqa: E402
 import torch.distributed.nn  # noqa: E402,F401  imported before any process group: docs/failures.md, clean exits
-from ddp_common import cli, comm_hooks  # noqa: E402
-from ddp_common.comm_hooks import CommHook  # noqa: E402
-from ddp_common.devices import check_backend  # noqa: E402
-from ddp_common.mnist import mnist_tensors  # noqa: E402
-from ddp_common.models import MLP, LinearClassifier, SimpleCNN  # noqa: E402
-from ddp_common.rendezvous import free_port  # noqa: E402
-from ddp_common.sharding import ShardSampler  # noqa: E402
+from benchmarks.comm_hooks import CommHook  # noqa: E402
+from benchmarks.common import UsageError, check_backend, free_port  # noqa: E402
+from models_and_data import MLP, LinearClassifier, mnist_splits  # noqa: E402
+
+
+class SimpleCNN(nn.Module):
+    """Two conv blocks and two fully connected layers for 28x28 digits, in the Hugging Face model style (train.py's
+    model): forward(image, labels=None) returns {"loss", "logits"} with labels and {"logits"} without."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=3, padding=1)
+        self.fc1 = nn.Linear(64 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, image, labels=None):
+        x = F.max_pool2d(F.relu(self.conv1(image)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        logits = self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to 0..1
+
+
+def mnist_tensors(data_dir):
+    """(train, eval) TensorDatasets of normalised images (N, 1, 28, 28) and int64 labels: the official split, or
+    with data/mnist's test set alone, its 8,000 / 2,000 split (models_and_data.mnist_splits, the tests' split).
+    Missing or broken files: a UsageError."""
+    try:
+        splits = mnist_splits(str(data_dir))[:2]
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--data_dir {data_dir}: {error}") from None
+    return tuple(TensorDataset((images.reshape(-1, 1, 28, 28).float() / 255 - MNIST_MEAN) / MNIST_STD, labels)
+                 for images, labels in splits)
+
 
 def synchronize(device):
     """Wait for the device to finish: GPUs run asynchronously, so a clock read without this stops early."""
@@ -177,7 +210,7 @@ def timed(case, state, steps, device):
 def held_out_accuracy(case, device, rank, world_size, args):
     """Train a fresh SimpleCNN with this case's settings for --accuracy_steps steps on 8,000 MNIST images
     (batch 64 per rank, a new shuffle each epoch), then score it on the other 2,000, each image on one rank."""
-    train_set, eval_set, _ = mnist_tensors(args.data_dir)
+    train_set, eval_set = mnist_tensors(args.data_dir)
     model, optimizer, _ = case.build(device, args, lr=ACCURACY_LR)
     sampler = DistributedSampler(train_set, world_size, rank, seed=0)
     batches = DataLoader(train_set, batch_size=MODELS[case.model_name][1], sampler=sampler)
@@ -195,7 +228,8 @@ def held_out_accuracy(case, device, rank, world_size, args):
             break
     counts = torch.zeros(2, device=device)  # correct, images
     with torch.no_grad():
-        for x, y in DataLoader(eval_set, batch_size=500, sampler=ShardSampler(eval_set, rank, world_size)):
+        # Every image on exactly one rank (DistributedSampler would pad the ranks to equal shares).
+        for x, y in DataLoader(Subset(eval_set, range(rank, len(eval_set), world_size)), batch_size=500):
             predicted = model.module(x.to(device))["logits"].argmax(1)
             counts += torch.stack([(predicted == y.to(device)).sum(), torch.tensor(len(y), device=device)])
     dist.all_reduce(counts)
@@ -203,7 +237,6 @@ def held_out_accuracy(case, device, rank, world_size, args):
     return counts[0].item() / counts[1].item()
 
 
-@cli.rank_main
 def worker(rank, world_size, backend, port, cases, args, result_path):
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
@@ -250,7 +283,7 @@ def spawn(world_size, cases, args):
 
 
 def oversubscription(world_size, threads):
-    cores = len(os.sched_getaffinity(0))
+    cores = common.usable_cores()
     if world_size * threads > cores:
         return f"oversubscribed: {world_size} ranks x {threads} thread(s) on {cores} cores"
     return ""
@@ -467,7 +500,7 @@ def main(args):
         args.accuracy_steps = min(args.accuracy_steps, 3)
     if args.accuracy_steps and "cnn" in args.models:
         mnist_tensors(args.data_dir)  # missing or broken files: one line now, not one per rank later
-    cores = len(os.sched_getaffinity(0))
+    cores = common.usable_cores()
     machine = report.machine()
     print(report.machine_line(machine), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -501,29 +534,29 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="DDP samples/s at several world sizes against independent "
+    parser = common.ArgumentParser(description="DDP samples/s at several world sizes against independent "
                                             "processes (the ceiling), with scaling efficiency and DDP overhead.")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to train")
-    parser.add_argument("--world_sizes", nargs="+", type=cli.positive_int, default=[1, 2, 4],
+    parser.add_argument("--world_sizes", nargs="+", type=common.positive_int, default=[1, 2, 4],
                         help="process counts; efficiencies need 1 among them (default 1 2 4)")
-    parser.add_argument("--threads", type=cli.positive_int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--repeats", type=cli.positive_int, default=5, help="timed runs per loop; medians reported")
-    parser.add_argument("--seconds", type=cli.positive_float, default=2.0,
+    parser.add_argument("--threads", type=common.positive_int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--repeats", type=common.positive_int, default=5, help="timed runs per loop; medians reported")
+    parser.add_argument("--seconds", type=common.positive_float, default=2.0,
                         help="target duration of one timed run; sets the step count (default 2.0)")
-    parser.add_argument("--warmup", type=cli.positive_int, default=5, help="untimed steps per loop first")
+    parser.add_argument("--warmup", type=common.positive_int, default=5, help="untimed steps per loop first")
     parser.add_argument("--profile", action="store_true",
                         help="instead: time DataLoader, per-step loss.item(), DDP bucket settings and Join one by one")
     parser.add_argument("--quick", action="store_true", help="1 repeat of 0.1 s: a smoke run, not numbers")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON and PNG")
-    comm_hooks.add_args(parser, several=True)  # --comm_hook HOOK..., --powersgd_rank, --powersgd_warmup
+    comm_hooks.add_args(parser)  # --comm_hook HOOK..., --powersgd_rank, --powersgd_warmup
     parser.add_argument("--zero", action="store_true", help="also time DDP with ZeroRedundancyOptimizer")
-    parser.add_argument("--accuracy_steps", type=cli.non_negative_int, default=None,
+    parser.add_argument("--accuracy_steps", type=common.non_negative_int, default=None,
                         help="SimpleCNN: train this many steps per setting on MNIST and report held-out accuracy; "
                              "0: none (default 300 when settings are compared, else 0)")
     parser.add_argument("--data_dir", type=Path, default=report.REPO / "data" / "mnist",
                         help="folder with MNIST's t10k-images/labels-idx files, split 8,000 / 2,000 (default: the "
                              "tests' copy)")
-    cli.add_distributed_args(parser)
+    common.add_distributed_args(parser)
     parser.add_argument("--replot", type=Path, metavar="DIR",
                         help="only draw the plots again from DIR/scaling.json, into DIR")
-    cli.run(main, parser)
+    common.run(main, parser)

@@ -18,10 +18,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import report  # noqa: E402
+from benchmarks import common, report  # noqa: E402
 from benchmarks.launches import LAUNCHES, launch_argv, launch_env, launch_once, script_of  # noqa: E402
-from ddp_common import cli  # noqa: E402
-from ddp_common.errors import UsageError  # noqa: E402
+from benchmarks.common import UsageError  # noqa: E402
 
 # The scripts' own launches (the variants under a second launcher are the clean-exit benchmark's business).
 SCRIPTS = [name for name in LAUNCHES if " " not in name and not name.startswith("benchmarks/")]
@@ -78,12 +77,12 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="Seconds from launching each example script to its first "
+    parser = common.ArgumentParser(description="Seconds from launching each example script to its first "
                                             "training step, on the CPU.")
     parser.add_argument("--scripts", nargs="+", default=SCRIPTS, metavar="SCRIPT",
                         help=f"scripts to launch (default: all of {', '.join(SCRIPTS)})")
-    parser.add_argument("--repeats", type=cli.positive_int, default=3, help="launches per script; median reported")
-    parser.add_argument("--launch_timeout", type=cli.positive_float, default=300,
+    parser.add_argument("--repeats", type=common.positive_int, default=3, help="launches per script; median reported")
+    parser.add_argument("--launch_timeout", type=common.positive_float, default=300,
                         help="seconds before a launch is killed and counted as failed (default 300)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON")
-    cli.run(main, parser)
+    common.run(main, parser)

@@ -18,10 +18,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import report  # noqa: E402
+from benchmarks import common, report  # noqa: E402
 from benchmarks.launches import clean_env, launch_once, torchrun_cmd  # noqa: E402
-from ddp_common import cli  # noqa: E402
-from ddp_common.errors import UsageError  # noqa: E402
+from benchmarks.common import UsageError  # noqa: E402
 
 SUMMARY = re.compile(r"^Summary: epochs \d+ \| steps (\d+) \| .* \| samples/s ([\d.]+) \| wall ([\d.]+)s", re.M)
 NEVER = 10**9  # --save_every_steps for "no step snapshot": only the epoch ends save
@@ -82,14 +81,14 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="Throughput of step_checkpoints.py with a snapshot every N steps.")
-    parser.add_argument("--every", nargs="+", type=cli.positive_int, default=[1, 5, 20, 100],
+    parser = common.ArgumentParser(description="Throughput of step_checkpoints.py with a snapshot every N steps.")
+    parser.add_argument("--every", nargs="+", type=common.positive_int, default=[1, 5, 20, 100],
                         help="the N of --save_every_steps to measure (default 1 5 20 100)")
-    parser.add_argument("--epochs", type=cli.positive_int, default=4, help="epochs per launch (default 4)")
-    parser.add_argument("--batch_size", type=cli.positive_int, default=16,
+    parser.add_argument("--epochs", type=common.positive_int, default=4, help="epochs per launch (default 4)")
+    parser.add_argument("--batch_size", type=common.positive_int, default=16,
                         help="samples per step and rank (default 16: 128 steps an epoch)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=3, help="launches per setting; median reported")
-    parser.add_argument("--launch_timeout", type=cli.positive_float, default=300,
+    parser.add_argument("--repeats", type=common.positive_int, default=3, help="launches per setting; median reported")
+    parser.add_argument("--launch_timeout", type=common.positive_float, default=300,
                         help="seconds a launch may take before it counts as hung")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="where to write the JSON")
-    cli.run(main, parser)
+    common.run(main, parser)

@@ -75,7 +75,7 @@ def test_allreduce_bad_input_is_one_line(args, message):
 @pytest.mark.slow
 def test_scaling_quick_writes_efficiencies(tmp_path):
     """Plain DDP and DDP with PowerSGD side by side. SimpleCNN has two gradient buckets: torch's PowerSGD hook
-    deadlocks gloo's two worker threads when both compress at once, unless ddp_common.comm_hooks runs them one
+    deadlocks gloo's two worker threads when both compress at once, unless benchmarks/comm_hooks.py runs them one
     after the other (a hang fails the launch's timeout)."""
     result = run([sys.executable, REPO / "benchmarks/scaling.py", "--quick", "--world_sizes", "1", "2",
                   "--models", "cnn", "--comm_hook", "none", "powersgd", "--powersgd_warmup", "2", "--out", tmp_path],

@@ -78,8 +78,8 @@ def rendezvous_from(env_file, must_exist):
         if error.errno == 98:  # EADDRINUSE: a live listener (SO_REUSEADDR, set by create_server, ignores TIME_WAIT)
             sys.exit(f"error: port {port} on {address} is already in use; pick another MASTER_PORT, or leave it out "
                      "to get a free one")
-        sys.exit(f"error: cannot listen on {address} ({os.strerror(error.errno)}): MASTER_ADDR ({sources['MASTER_ADDR']}) "
-                 "must be an address of this machine")
+        sys.exit(f"error: cannot listen on {address} ({os.strerror(error.errno)}): MASTER_ADDR "
+                 f"({sources['MASTER_ADDR']}) must be an address of this machine")
     sources.setdefault("MASTER_PORT", f"a free port, {missing}")
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
     return address, port, sources

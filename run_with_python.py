@@ -123,7 +123,8 @@ def spawn(args, parser):
                      "e.g. 127.0.0.1")
     except OSError as error:
         parser.error(f"cannot listen on {args.master_addr} port {args.master_port or 'any'} "
-                     f"({os.strerror(error.errno)}): give an address of this machine (e.g. 127.0.0.1) and a free --master_port, or leave it out")
+                     f"({os.strerror(error.errno)}): give an address of this machine (e.g. 127.0.0.1) and a free "
+                     "--master_port, or leave it out")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: else each process takes every core
     # world_size processes, each running main(rank, world_size, backend, address, port, timeout)
     mp.spawn(main, args=(world_size, backend, args.master_addr, port, timedelta(seconds=args.timeout)),

@@ -166,7 +166,8 @@ def ddp_worker(rank, world_size, backend, args, result_path):
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
     # env://: MASTER_ADDR and MASTER_PORT as the parent put them into the environment, which we inherit
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout),
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout),
                             device_id=device if accelerator else None)
     dataset, model, optimizer = build(args, device)
     sampler = DistributedSampler(dataset, seed=args.seed)

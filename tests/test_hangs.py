@@ -170,8 +170,8 @@ def test_mpirun_train_under_the_tool_names_a_stuck_rank(tmp_path):
     script = (REPO / "run_with_mpirun.py").read_text().splitlines()
     backward = line_of("loss.backward()", script, "run_with_mpirun.py")
     assert f"(all_reduce of [{MLP_PARAMETERS}], DDP's gradients in backward() at {backward})" in line, line
-    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('# the stall', FAULTY.splitlines(), 'faulty.py')}" \
-        in line, line
+    stall = line_of("# the stall", FAULTY.splitlines(), "faulty.py")
+    assert f"rank 1 did not arrive: it is alive, in its own code at {stall}" in line, line
     ends_in_time(lines, "rank 1: stall at step 40")
 
 

@@ -164,7 +164,7 @@ def test_port_in_use_is_refused_before_any_process_starts(tmp_path):
     assert result.stdout == ""
 
 
-def test_a_wrong_result_fails_its_check_naming_the_collective_and_the_rank(capsys, monkeypatch):
+def test_a_wrong_result_fails_its_check_naming_the_collective_and_the_rank(capfd, monkeypatch):
     """A backend that returns a wrong sum: the table says NO and the rank stops with one line naming the
     collective (sys.exit: exit code 1). The script's own functions, in a group of one."""
     store = dist.HashStore()
@@ -183,7 +183,7 @@ def test_a_wrong_result_fails_its_check_naming_the_collective_and_the_rank(capsy
             run_with_torchrun.report(checks, 0, 1, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
-    rows = table(capsys.readouterr().out)
+    rows = table(capfd.readouterr().out)  # the scripts write with os.write, to file descriptor 1
     assert rows["all_reduce sum"] == ("[1, 10]", "[2, 11]", "NO on rank 0")
     assert rows["all_reduce avg"] == ("[1]", "[2]", "NO on rank 0")
     assert rows["all_gather"][2] == rows["barrier"][2] == "yes"

@@ -19,8 +19,11 @@ differs, so the largest weight difference printed at the end is at rounding leve
 """
 import argparse
 import os
+import socket
+import sys
 import tempfile
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,13 +36,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from dotenv import dotenv_values
 
-from ddp_common import cli, snapshot
-from ddp_common.data import classification_dataset
-from ddp_common.devices import check_backend
-from ddp_common.errors import UsageError
-from ddp_common.models import LinearClassifier
-from ddp_common.progress import summary_line
-from ddp_common.rendezvous import check_can_listen, free_port
+from models_and_data import LinearClassifier, classification_dataset
 
 DATASET_SIZE = 4096
 DEFAULT_ADDRESS = "127.0.0.1"
@@ -51,11 +48,11 @@ def rendezvous_from(env_file, must_exist):
     python-dotenv's override=False); a missing or empty value falls back to 127.0.0.1 and a free port."""
     path = os.path.abspath(env_file)  # python-dotenv would search beside the script, not in the current directory
     if not os.path.isfile(path) and must_exist:
-        raise UsageError(f"env file {path} not found; copy .env.example there or leave out --env_file")
+        sys.exit(f"error: env file {path} not found; copy .env.example there or leave out --env_file")
     try:
         in_file = dotenv_values(path) if os.path.isfile(path) else {}
     except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read env file {path} ({error})") from None
+        sys.exit(f"error: cannot read env file {path} ({error})")
     missing = f"not set in {path}" if os.path.isfile(path) else f"no env file at {path}"
     values, sources = {}, {}
     for name in ("MASTER_ADDR", "MASTER_PORT"):
@@ -65,14 +62,25 @@ def rendezvous_from(env_file, must_exist):
             values[name], sources[name] = in_file[name], f"from {path}"
     address = values.get("MASTER_ADDR", DEFAULT_ADDRESS)
     sources.setdefault("MASTER_ADDR", f"default, {missing}")
-    if "MASTER_PORT" in values:
-        try:
-            port = cli.port_number(values["MASTER_PORT"].strip())
-        except argparse.ArgumentTypeError as error:
-            raise UsageError(f"MASTER_PORT={values['MASTER_PORT']!r} {sources['MASTER_PORT']}: {error}") from None
-    else:
-        check_can_listen(address, 0)  # an address of another machine gets a one-line error, not a traceback
-        port, sources["MASTER_PORT"] = free_port(address), f"a free port, {missing}"
+    port = values.get("MASTER_PORT", "0").strip()  # 0: a free one, below
+    if "MASTER_PORT" in values and not (port.isdigit() and 0 < int(port) < 65536):
+        sys.exit(f"error: MASTER_PORT={values['MASTER_PORT']!r} {sources['MASTER_PORT']}: expected a port number, "
+                 "1 to 65535")
+    # Listen where rank 0 will, before any process starts: a taken port or an address of another machine is a
+    # line now, not a rank 0 crash and the others waiting for it. Port 0: the system picks a free one.
+    try:
+        family = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((address, int(port)), family=family) as listener:
+            port = listener.getsockname()[1]
+    except socket.gaierror:
+        sys.exit(f"error: MASTER_ADDR={address!r} ({sources['MASTER_ADDR']}) does not resolve")
+    except OSError as error:
+        if error.errno == 98:  # EADDRINUSE: a live listener (SO_REUSEADDR, set by create_server, ignores TIME_WAIT)
+            sys.exit(f"error: port {port} on {address} is already in use; pick another MASTER_PORT, or leave it out "
+                     "to get a free one")
+        sys.exit(f"error: cannot listen on {address} ({os.strerror(error.errno)}): MASTER_ADDR "
+                 f"({sources['MASTER_ADDR']}) must be an address of this machine")
+    sources.setdefault("MASTER_PORT", f"a free port, {missing}")
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
     return address, port, sources
 
@@ -149,15 +157,17 @@ def normal_training(args, world_size, device):
     return model, dataset, wall, samples
 
 
-@cli.rank_main  # one-line errors in each process, as cli.run gives the parent
 def ddp_worker(rank, world_size, backend, args, result_path):
     # The rank is the mp.spawn index; one machine, so it is also the local rank, which picks the GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
+    if accelerator and world_size > torch.accelerator.device_count():
+        accelerator = None  # more processes than devices: every process on the CPU
     device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
     # env://: MASTER_ADDR and MASTER_PORT as the parent put them into the environment, which we inherit
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=args.timeout,
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout),
                             device_id=device if accelerator else None)
     dataset, model, optimizer = build(args, device)
     sampler = DistributedSampler(dataset, seed=args.seed)
@@ -197,12 +207,18 @@ def data_parallel_training(args, world_size):
 def main(args):
     world_size = args.world_size or torch.accelerator.device_count() or 2
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
+    if accelerator and world_size > torch.accelerator.device_count():
+        accelerator = None  # more processes than devices (a Mac has one mps device): every process on the CPU
     device = torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")
-    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
+    backend = args.backend or dist.get_default_backend_for_device(device)
     if args.weights_dir:  # written at the end: checked now that it can be, not after the training
-        snapshot.claim_directory(args.weights_dir)
+        try:
+            os.makedirs(args.weights_dir, exist_ok=True)
+            open(os.path.join(args.weights_dir, ".tmp"), "wb").close()
+            os.remove(os.path.join(args.weights_dir, ".tmp"))
+        except OSError as error:
+            sys.exit(f"error: cannot write the weights to {args.weights_dir}: {error.strerror}")
     address, port, sources = rendezvous_from(args.env_file or ".env", must_exist=args.env_file is not None)
-    check_can_listen(address, port)
     print(f"MASTER_ADDR={address} ({sources['MASTER_ADDR']})\nMASTER_PORT={port} ({sources['MASTER_PORT']})")
     print(f"Global batch {args.batch_size * world_size}: normal training takes it whole, "
           f"DDP {args.batch_size} on each of {world_size} ranks")
@@ -237,18 +253,41 @@ def main(args):
     difference = max((normal_model.state_dict()[name].cpu() - value).abs().max().item()
                      for name, value in ddp_model.state_dict().items())
     print(f"Largest |normal - DDP| weight difference: {difference:.3e}")
-    print(summary_line(args.total_epochs, result["steps"], ddp_loss, result["samples"], result["wall"], world_size,
-                       backend))
+    print(f"Summary: epochs {args.total_epochs} | steps {result['steps']} | final loss {ddp_loss:.6f} | samples/s "
+          f"{result['samples'] / result['wall']:.1f} | wall {result['wall']:.2f}s | world size {world_size} | "
+          f"backend {backend}")
 
 
-if __name__ == "__main__":
-    parser = cli.training_parser(__doc__, snapshots=False, total_epochs=10, batch_size=128, positional=False,
-                                 world_size=True)
-    cli.add_linear_args(parser, input_size=200)
+def positive_int(text):
+    if not text.lstrip("-").isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return int(text)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=10, help="epochs (default 10)")
+    parser.add_argument("--batch_size", type=positive_int, default=128, help="samples per step and rank (default 128)")
+    parser.add_argument("--input_size", type=positive_int, default=200, help="features per sample (default 200)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
+    parser.add_argument("--world_size", type=positive_int, help="DDP processes (default: one per GPU, or 2)")
     parser.add_argument("--weights_dir", help="write each mode's final weights to DIR (normal.pt, ddp.pt, "
                                               "dataparallel.pt), to inspect or compare them")
     parser.add_argument("--env_file",
                         help="file with MASTER_ADDR and MASTER_PORT (default: .env in the current directory, "
                              "if there is one); variables set in the environment win")
-    cli.add_distributed_args(parser)
-    cli.run(main, parser)
+    parser.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on the CPU")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
+    args = parser.parse_args()
+    if args.lr <= 0 or args.timeout <= 0:
+        parser.error("--lr and --timeout must be positive")
+    gpus = torch.accelerator.device_count() if torch.cuda.is_available() else 0
+    if args.backend == "nccl" and (args.world_size or gpus or 2) > gpus:  # main() would put the ranks on the CPU
+        parser.error(f"--backend nccl needs CUDA GPUs, one per rank: {args.world_size or gpus or 2} ranks on this "
+                     f"node but only {gpus} cuda device(s); leave out --backend or use --backend gloo, on the CPU")
+    return args
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,14 +1,12 @@
-"""When training hangs: break one rank on purpose, in each of the classic ways, and find the rank and the
-collective (docs/hangs.md). Each way ends within --timeout plus a few seconds, with one line naming the rank,
-the collective and where to look next.
+"""When training hangs: break one rank on purpose, in each of the classic ways, and let the diagnosis tool find
+the rank, the collective and the line (docs/hangs.md). Run it under `python -m diagnose`, from the repository:
 
     torchrun --standalone --nproc_per_node=2 hangs.py                                   # --fault none: trains
-    torchrun --standalone --nproc_per_node=2 hangs.py --fault skip --fault_rank 1 --timeout 10
-    torchrun --standalone --nproc_per_node=2 hangs.py --fault other_collective --timeout 10
-    torchrun --standalone --nproc_per_node=2 hangs.py --fault other_shape --timeout 10
-    torchrun --standalone --nproc_per_node=2 hangs.py --fault stall --timeout 10
-    torchrun --standalone --nproc_per_node=2 hangs.py --fault die --timeout 10
-    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 hangs.py --fault other_shape
+    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault skip
+    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault other_collective
+    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault other_shape
+    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault stall
+    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault die
     torchfrtrace fr_traces/<the folder the line names>                 # what each rank's flight recorder holds
 
 Each step trains a small MLP with DDP (an all_reduce of the gradients in backward()), then gathers every
@@ -22,14 +20,15 @@ rank's loss and gradient norm for the log (an all_gather of a tensor of 2). At s
                       thread that never delivers)
     die               it is killed (SIGKILL), as by the out-of-memory killer
 
-Every rank prints its pid: `py-spy dump --pid PID` or `kill -USR1 PID` (faulthandler, registered here) shows
-where it waits while it hangs, and a rank that its launcher stops (SIGTERM) prints where it was.
+Without the tool the other ranks wait --timeout (default 300 s) and end with torch's own timeout, which names
+neither the rank nor the line.
 """
-import faulthandler
+import argparse
 import os
 import signal
+import sys
 import threading
-import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,18 +38,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cli
-from ddp_common.data import regression_dataset
-from ddp_common.devices import BACKENDS, check_backend
-from ddp_common.models import MLP
-from ddp_common.rendezvous import group_store
+from models_and_data import MLP, regression_dataset
 
 FAULTS = ("none", "skip", "other_collective", "other_shape", "stall", "die")
+
+
+def say(text):
+    os.write(1, f"{text}\n".encode())  # one write: the ranks share torchrun's stdout
 
 
 def break_rank(fault, step, stats, rank, device):
     """The faulty rank's step: what it does in place of the others' all_gather of `stats` (None: all is done)."""
     say(f"rank {rank}: --fault {fault} at step {step}")
+    if fault == "stall":  # a deadlock in the rank's own code: a lock taken twice
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # never returns
+    if fault == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
     if fault == "skip":
         return None  # no all_gather: its next collective is the next step's gradient all_reduce
     if fault == "other_collective":
@@ -60,38 +65,23 @@ def break_rank(fault, step, stats, rank, device):
         gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, stats[:1])
         return None
-    if fault == "die":
-        os.kill(os.getpid(), signal.SIGKILL)
     return stats
-
-
-def stall():
-    """A deadlock in the rank's own code: a lock taken twice, as a data loader whose worker never delivers."""
-    lock = threading.Lock()
-    lock.acquire()
-    lock.acquire()  # never returns
-
-
-def say(text):
-    os.write(1, f"{text}\n".encode())  # one write: the ranks share torchrun's stdout
 
 
 def main(args):
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    if args.fault_rank >= world_size:
-        raise cli.FlagError(f"hangs.py: error: --fault_rank {args.fault_rank} is not a rank of {world_size} "
-                            f"(0 to {world_size - 1}) (see --help)")
-    # Where each rank waits, on demand (kill -USR1 PID) and when the launcher stops it (SIGTERM, chained on).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
+    if accelerator and local_world_size > torch.accelerator.device_count():
+        accelerator = None  # more processes than devices: every process on the CPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
-    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
+    backend = args.backend or dist.get_default_backend_for_device(device)
+    if backend == "nccl" and device.type != "cuda":
+        sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
     if accelerator:
         torch.accelerator.set_device_index(device.index)
-    dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
-                            world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if accelerator else None)
     say(f"rank {rank}: pid {os.getpid()} on {os.uname().nodename}")
     torch.manual_seed(args.seed)
     dataset = regression_dataset(4096, seed=args.seed)
@@ -99,8 +89,8 @@ def main(args):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
     if rank == 0:
-        print(f"{world_size} ranks | backend {backend} | --timeout {args.timeout.total_seconds():g}s | "
-              f"--fault {args.fault} on rank {args.fault_rank} at step {args.at_step}", flush=True)
+        say(f"{world_size} ranks | backend {backend} | --fault {args.fault} on rank {args.fault_rank} at step "
+            f"{args.at_step}")
     step, epoch = 0, 0
     faulty = rank == args.fault_rank and args.fault != "none"
     while step < args.steps:
@@ -109,8 +99,7 @@ def main(args):
             if step >= args.steps:
                 break
             if faulty and step == args.at_step and args.fault == "stall":
-                say(f"rank {rank}: --fault stall at step {step}")
-                stall()
+                break_rank(args.fault, step, None, rank, device)
             optimizer.zero_grad(set_to_none=True)
             loss = F.mse_loss(model(source.to(device)), targets.to(device))
             loss.backward()  # DDP all-reduces the gradients here
@@ -123,26 +112,40 @@ def main(args):
                 gathered = [torch.zeros_like(stats) for _ in range(world_size)]
                 dist.all_gather(gathered, stats)  # every rank's loss and gradient norm, for the log
                 if rank == 0 and step % args.log_every == 0:
-                    losses = " ".join(f"{s[0].item():.4f}" for s in gathered)
-                    print(f"step {step} | loss per rank {losses}", flush=True)
+                    say(f"step {step} | loss per rank " + " ".join(f"{s[0].item():.4f}" for s in gathered))
             step += 1
         epoch += 1
     if rank == 0:
-        print(f"Trained {step} steps: no fault, no hang", flush=True)
+        say(f"Trained {step} steps: no fault, no hang")
     del model, optimizer  # DDP holds the process group: free it first
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="Break one rank on purpose and find it: docs/hangs.md.")
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fault", choices=FAULTS, default="none", help="how the faulty rank breaks (default none)")
-    parser.add_argument("--fault_rank", type=cli.non_negative_int, default=1, help="the rank that breaks (default 1)")
-    parser.add_argument("--at_step", type=cli.non_negative_int, default=5, help="the step it breaks at (default 5)")
-    parser.add_argument("--steps", type=cli.positive_int, default=40, help="steps to train (default 40)")
-    parser.add_argument("--log_every", type=cli.positive_int, default=10, help="rank 0 logs every N steps")
-    parser.add_argument("--batch_size", type=cli.positive_int, default=32, help="samples per step and rank")
+    parser.add_argument("--fault_rank", type=int, default=1, help="the rank that breaks (default 1)")
+    parser.add_argument("--at_step", type=int, default=5, help="the step it breaks at (default 5)")
+    parser.add_argument("--steps", type=int, default=40, help="steps to train (default 40)")
+    parser.add_argument("--log_every", type=int, default=10, help="rank 0 logs every N steps (default 10)")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step and rank (default 32)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help="process-group backend (default: the device's, nccl on CUDA GPUs and gloo on the CPU)")
-    cli.add_timeout_arg(parser, default=10)
-    cli.run(main, parser)
+    parser.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on the CPU")
+    parser.add_argument("--timeout", type=float, default=300,
+                        help="seconds a collective waits before torch gives up (default 300; the tool's --timeout "
+                             "names the rank sooner)")
+    args = parser.parse_args()
+    if min(args.steps, args.log_every, args.batch_size, args.timeout) <= 0 or min(args.at_step, args.fault_rank) < 0:
+        parser.error("--steps, --log_every, --batch_size and --timeout must be positive, --at_step and "
+                     "--fault_rank not negative")
+    if "RANK" not in os.environ:
+        parser.error("start it with torchrun, under the diagnosis tool: python -m diagnose --timeout 10 "
+                     "torchrun --standalone --nproc_per_node=2 hangs.py --fault stall")
+    if args.fault_rank >= int(os.environ["WORLD_SIZE"]):
+        parser.error(f"--fault_rank {args.fault_rank} is not a rank of {os.environ['WORLD_SIZE']} "
+                     f"(0 to {int(os.environ['WORLD_SIZE']) - 1})")
+    return args
+
+
+if __name__ == "__main__":
+    main(parse_args())

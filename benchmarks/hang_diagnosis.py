@@ -3,13 +3,13 @@
     python benchmarks/hang_diagnosis.py                       # 5 rounds of the 3 settings, medians; some minutes
     python benchmarks/hang_diagnosis.py --repeats 1 --steps 50 --out /tmp/results     # a smoke test
 
-The scripts' diagnosis of a hang (ddp_common/hangs.py: which rank, which collective, where to look) costs nothing
-until a collective fails: it asks the other ranks through the group's store only then. On the happy path the one
-cost is torch's flight recorder, which records every collective (kind, shapes, Python stack) in a ring buffer.
-torch 2.13 turns it on by default (2000 entries); TORCH_FR_BUFFER_SIZE=0 turns it off. Each setting is a
-torchrun launch of 2 CPU processes running this file's worker: the tutorial's DDP training step (MLP, batch 32,
-one gradient all_reduce and one all_gather of 2 numbers per step, as hangs.py trains), timed over --steps after a
-warm-up, then --collectives all_reduces of one number, the collective where a fixed cost per call shows most.
+The diagnosis tool (python -m diagnose: which rank, which collective, which line) reads torch's flight recorder
+when a collective stands still; the tool's own cost is benchmarks/diagnose_cost.py's. The flight recorder records
+every collective (kind, shapes, Python stack) in a ring buffer. torch 2.13 turns it on by default (2000 entries);
+TORCH_FR_BUFFER_SIZE=0 turns it off. Each setting is a torchrun launch of 2 CPU processes running this file's
+worker: the tutorial's DDP training step (MLP, batch 32, one gradient all_reduce and one all_gather of 2 numbers
+per step, as hangs.py trains), timed over --steps after a warm-up, then --collectives all_reduces of one number,
+the collective where a fixed cost per call shows most.
 Each figure is the slower rank's: the wall time per call (median over blocks of 20), and the CPU time of the
 training thread per call, which the recording adds to and which other processes' load barely changes. The
 settings' launches run at the same time, each timed part starting once all are ready, so that they share
@@ -32,7 +32,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import report  # noqa: E402
 from benchmarks.launches import clean_env, torchrun_cmd  # noqa: E402
-from ddp_common import cli  # noqa: E402
 
 SETTINGS = {  # name -> the environment it adds
     "flight recorder on (torch's default, 2000 entries)": {},
@@ -52,10 +51,10 @@ def worker(args):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddp_common import hangs  # noqa: F401  as every script has it (under DETAIL it keeps DDP from crashing)
-    from ddp_common.data import regression_dataset
-    from ddp_common.models import MLP
+    from diagnose.rank import work_around_detail_crash
+    from models_and_data import MLP, regression_dataset
 
+    work_around_detail_crash()  # as the tool does: under DETAIL, torch 2.13's DDP crashes with gloo without it
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -168,14 +167,17 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = cli.ArgumentParser(description="The happy-path cost of the flight recorder (docs/hangs.md).")
-    parser.add_argument("--repeats", type=cli.positive_int, default=5, help="rounds of launches (default 5)")
-    parser.add_argument("--steps", type=cli.positive_int, default=150, help="timed steps per launch (default 150)")
-    parser.add_argument("--warmup", type=cli.positive_int, default=20, help="untimed steps first (default 20)")
-    parser.add_argument("--collectives", type=cli.positive_int, default=1000,
+    parser = argparse.ArgumentParser(description="The happy-path cost of the flight recorder (docs/hangs.md).")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of launches (default 5)")
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per launch (default 150)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
+    parser.add_argument("--collectives", type=int, default=1000,
                         help="timed all_reduces of one number per launch (default 1000)")
-    parser.add_argument("--batch_size", type=cli.positive_int, default=32)
-    parser.add_argument("--launch_timeout", type=cli.positive_float, default=600)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--launch_timeout", type=float, default=600)
     parser.add_argument("--out", default=str(report.DEFAULT_OUT), help="folder for hang_diagnosis.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one launch's rank
-    cli.run(main, parser)
+    args = parser.parse_args()
+    if min(args.repeats, args.steps, args.warmup, args.collectives, args.batch_size, args.launch_timeout) <= 0:
+        parser.error("every count and --launch_timeout must be positive")
+    main(args)

@@ -10,7 +10,7 @@ import torch
 from conftest import (BIN, REPO, assert_one_line_error, clean_env, collectives_issued, epoch_lines, free_port,
                       load_snapshot, python_cmd, run, summary)
 
-from ddp_common.models import LinearClassifier
+from models_and_data import LinearClassifier
 
 SMALL = ("--input_size", "20")
 DATASET = 4096  # torchrun_ddp.py's and ddp.py's synthetic dataset
@@ -162,12 +162,12 @@ def test_environment_wins_over_env_file(tmp_path):
 
 @pytest.mark.parametrize("port, expected", [
     ("abc", "MASTER_PORT='abc' from {env}: expected a port number"),
-    ("70000", "MASTER_PORT='70000' from {env}: port must be between 1 and 65535, got 70000"),
+    ("70000", "MASTER_PORT='70000' from {env}: expected a port number, 1 to 65535"),
 ])
 def test_ddp_py_bad_port_in_env_file(tmp_path, port, expected):
     (tmp_path / ".env").write_text(f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={port}\n")
     result = run(ddp_py(), cwd=tmp_path, check=False, timeout=60)
-    assert_one_line_error(result, expected.format(env=tmp_path / ".env"))
+    assert_one_line_error(result, expected.format(env=tmp_path / ".env"), code=1)
     assert len(result.stderr.strip().splitlines()) == 1
 
 
@@ -178,13 +178,13 @@ def test_ddp_py_port_in_use(tmp_path):
         port = listener.getsockname()[1]
         (tmp_path / ".env").write_text(f"MASTER_PORT={port}\n")
         result = run(ddp_py(), cwd=tmp_path, check=False, timeout=60)
-    assert_one_line_error(result, f"port {port} on 127.0.0.1 is already in use")
+    assert_one_line_error(result, f"port {port} on 127.0.0.1 is already in use", code=1)
 
 
 @pytest.mark.quick
 def test_ddp_py_missing_env_file_named(tmp_path):
     result = run(ddp_py("--env_file", "absent.env"), cwd=tmp_path, check=False, timeout=60)
-    assert_one_line_error(result, f"env file {tmp_path / 'absent.env'} not found")
+    assert_one_line_error(result, f"env file {tmp_path / 'absent.env'} not found", code=1)
 
 
 @pytest.mark.quick

@@ -120,7 +120,7 @@ def test_a_copied_example_runs_its_documented_command_alone(tmp_path, name):
 
 
 def test_every_example_has_a_copy_test():
-    untested = set(examples()) - set(COMMANDS) - {"hangs.py", "fault_tolerant.py"}  # each has its test below
+    untested = set(examples()) - set(COMMANDS) - {"hangs.py", "fault_tolerant.py"}  # each has a test of its own
     assert not untested, f"examples without a command in COMMANDS: {sorted(untested)}"
 
 
@@ -139,3 +139,15 @@ def test_a_copied_fault_tolerant_py_trains_one_group_with_a_lighthouse(tmp_path)
         lighthouse.kill()
         finish(lighthouse, 30)
     assert re.search(r"^Step 20 \|", out, re.M), out[-3000:]
+
+
+def test_a_copied_hangs_py_trains_without_a_fault_and_shows_a_stall_as_torchs_timeout_without_the_tool(tmp_path):
+    script = copy_alone("hangs.py", tmp_path / "copy")
+    out = run([*TORCHRUN, script.name, "--steps", "10"], cwd=script.parent, env=env_alone("hangs.py")).stdout
+    assert "Trained 10 steps: no fault, no hang" in out, out[-3000:]
+    # As its docstring says: without the tool, the others wait --timeout and end with torch's own timeout.
+    result = run([*TORCHRUN, script.name, "--fault", "stall", "--timeout", "5"], cwd=script.parent,
+                 env=env_alone("hangs.py"), timeout=120, check=False)
+    assert result.returncode != 0 and "rank 1: --fault stall at step 5" in result.stdout, result.stdout[-3000:]
+    assert "timed out" in result.stdout + result.stderr or "Timed out" in result.stdout + result.stderr, \
+        result.stderr[-3000:]

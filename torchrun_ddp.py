@@ -52,7 +52,7 @@ def classification_splits(size, held_out=0, input_size=100, seed=0, label_noise=
 
 
 def read_snapshot(path):
-    """The snapshot at `path`, None if there is none; a bad file is named in one line (training on would overwrite it)."""
+    """The snapshot at `path`, None if there is none; a bad file is named in one line (training would overwrite it)."""
     if not os.path.exists(path):
         return None
     try:

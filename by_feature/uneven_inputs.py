@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
-from torch.distributed.algorithms.join import Join
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler

@@ -6,27 +6,68 @@ It pays on GPUs with tensor cores (bf16 and fp16 matrix products run several tim
 activations take half the memory); on a CPU it shows the mechanics. The weights and the optimizer stay fp32.
 by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).
 """
+import argparse
 import os
+import socket
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for ddp_common
-from ddp_common import cli, snapshot
-from ddp_common.data import classification_dataset
-from ddp_common.devices import check_backend, share_cores
-from ddp_common.models import LinearClassifier
-from ddp_common.progress import summary_line
-from ddp_common.rendezvous import group_store
-
 DATASET_SIZE = 4096
+
+
+# The model and data of models_and_data.py, copied so that this file and each by_feature/ file stand alone.
+class LinearClassifier(nn.Module):
+    def __init__(self, input_size, num_classes=2):
+        super().__init__()
+        self.linear = nn.Linear(input_size, num_classes)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def classification_splits(size, held_out=0, input_size=100, seed=0, label_noise=0.05):
+    """(training set, held-out set): two classes split by a fixed random hyperplane, 5% of the labels flipped (a
+    linear classifier reaches about 0.95, chance is 0.5). The same on every rank: one seed, a generator of its own."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, input_size, generator=generator)
+    direction = torch.randn(input_size, generator=generator)
+
+    def labelled(x):
+        labels = (x @ direction > 0).long()
+        flip = torch.rand(len(x), generator=generator) < label_noise
+        return TensorDataset(x, torch.where(flip, 1 - labels, labels))
+
+    train = labelled(x)
+    return train, labelled(torch.randn(held_out, input_size, generator=generator))
+
+
+def read_snapshot(path):
+    """The snapshot at `path`, None if there is none; a bad file is named in one line (training would overwrite it)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a snapshot); "
+                 "move it away or pass another --snapshot_path")
+
+
+def save(state, path):
+    # Written beside it, then renamed over it: a crash mid-save leaves the previous snapshot whole.
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 class Trainer:
@@ -43,8 +84,7 @@ class Trainer:
         self.dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
         # fp16 gradients underflow without loss scaling; with bf16 the scaler is disabled, a passthrough.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
-        # Every rank reads the snapshot (None: a fresh start); rank 0, which writes it, checks now that it can.
-        state = snapshot.claim(self.snapshot_path, saves=self.rank == 0)
+        state = read_snapshot(self.snapshot_path)  # every rank resumes from it; None: a fresh start
         if state is not None:
             self.load_snapshot(state)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
@@ -54,8 +94,12 @@ class Trainer:
             print(text)
 
     def load_snapshot(self, state):
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+        except (KeyError, RuntimeError, ValueError) as error:
+            sys.exit(f"error: the snapshot {self.snapshot_path} is of another model or optimizer "
+                     f"({str(error).splitlines()[0]}); move it away or pass another --snapshot_path")
         torch.set_rng_state(state["rng"])
         if state.get("scaler"):  # fp16's current loss scale (a snapshot of the base has none)
             self.scaler.load_state_dict(state["scaler"])
@@ -71,7 +115,7 @@ class Trainer:
             "epochs_run": epoch + 1,
         }
         if self.rank == 0:  # every rank holds the same weights: one copy on disk is enough
-            snapshot.save(state, self.snapshot_path)  # atomically: a crash mid-save leaves the previous one whole
+            save(state, self.snapshot_path)
             self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
 
     def run_batch(self, source, targets):
@@ -112,8 +156,33 @@ class Trainer:
                      f"{time.perf_counter() - epoch_start:.2f}s")
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self.save_snapshot(epoch)
-        epochs = max_epochs - self.epochs_run
-        self.log(summary_line(epochs, epochs * steps_per_epoch, loss, samples, time.perf_counter() - start))
+        epochs, wall = max_epochs - self.epochs_run, time.perf_counter() - start
+        self.log(f"Summary: epochs {epochs} | steps {epochs * steps_per_epoch} | final loss {loss:.6f} | "
+                 f"samples/s {samples / wall:.1f} | wall {wall:.2f}s | world size {dist.get_world_size()} | "
+                 f"backend {dist.get_backend()}")
+
+
+def group_store(rank, world_size, timeout):
+    """A store of this group's own under torchrun. Its own outlives a restart with the dead group's keys, and a
+    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too).
+    Rank 0 posts a fresh store's port in torchrun's; where nothing answers, the post is the dead group's."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host = os.environ["MASTER_ADDR"]
+    torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        torchrun_store.set("group_store_port", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        port = int(torchrun_store.get("group_store_port"))
+        try:
+            socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except OSError:
+            time.sleep(0.1)
+    sys.exit(f"error: rank 0 opened no store for this group within --timeout {timeout.total_seconds():g}s")
 
 
 def main(args):
@@ -121,18 +190,29 @@ def main(args):
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
+    if accelerator and local_world_size > torch.accelerator.device_count():
+        accelerator = None  # more processes than devices (a Mac has one mps device): every process on the CPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
-    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
+    backend = args.backend or dist.get_default_backend_for_device(device)
+    if backend == "nccl" and device.type != "cuda":
+        sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
+    if rank == 0:  # the snapshot's folder checked now, not after the first epochs; torchrun then stops every rank
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.snapshot_path)), exist_ok=True)
+            open(args.snapshot_path + ".tmp", "wb").close()
+            os.remove(args.snapshot_path + ".tmp")
+        except OSError as error:
+            sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # A store of this group's own: torchrun's outlives a restart with the old group's keys (docs/failures.md).
-    dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
-                            world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
-    threads = share_cores(device)  # processes sharing a machine share its cores
-    if rank == 0:
-        print(f"backend {backend}" + (f" | {threads}" if threads else ""))
+    # A framework that calls main() (Ray Train, say) may own the process group already.
+    timeout = timedelta(seconds=args.timeout)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, store=group_store(rank, world_size, timeout), rank=rank,
+                                world_size=world_size, timeout=timeout, device_id=device if accelerator else None)
     # The same on every rank (same seed): DistributedSampler then gives each rank its own part of it.
-    train_set = classification_dataset(DATASET_SIZE, args.input_size, seed=args.seed)
+    train_set, _ = classification_splits(DATASET_SIZE, 0, args.input_size, seed=args.seed)
     torch.manual_seed(args.seed)
     model = LinearClassifier(args.input_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -140,11 +220,39 @@ def main(args):
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
     del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=5, help="epochs in all (default 5)")
+    parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between snapshots (default 1)")
+    parser.add_argument("--batch_size", type=positive_int, default=64, help="samples per step and rank (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
+    parser.add_argument("--snapshot_path", default=os.path.splitext(os.path.basename(__file__))[0] + ".pt",
+                        help="resume from and save to this file (default: the script's name, .pt)")
+    parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
+    parser.add_argument("--input_size", type=positive_int, default=100, help="features per sample (default 100)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
+    args = parser.parse_args()
+    if min(args.timeout, args.lr) <= 0:
+        parser.error("--timeout and --lr must be positive")
+    if "RANK" not in os.environ:
+        parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
+    return args
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser(__doc__, total_epochs=5, save_every=1, batch_size=64, positional=False,
-                                 distributed=True)
-    cli.add_linear_args(parser)  # --input_size, --lr
-    cli.run(main, parser)
+    main(parse_args())

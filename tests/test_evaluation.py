@@ -3,18 +3,19 @@ and train.py's Trainer), training on shards of different lengths with Join (by_f
 happens without it."""
 import json
 import re
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from conftest import (assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, load_snapshot, python_cmd,
-                      run, summary, torchrun_cmd)
+from conftest import (REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, load_snapshot,
+                      python_cmd, run, summary, torchrun_cmd)
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common.data import classification_splits
 from ddp_common.mnist import collate, load_mnist_splits
-from ddp_common.models import LinearClassifier, SimpleCNN
+from ddp_common.models import SimpleCNN
+from models_and_data import LinearClassifier, classification_splits
 
 SMALL = ("--input_size", "20")
 TRAIN_SIZE, EVAL_SIZE = 4096, 1001  # by_feature/exact_evaluation.py's; neither 2 nor 3 divides 1001
@@ -107,14 +108,18 @@ def test_uneven_shards_train_with_join(uneven_run):
     assert_bitwise_equal(snapshot["optimizer"], replicas[1]["optimizer"], "optimizer")
 
 
-def test_uneven_shards_without_join_stop_at_the_timeout(tmp_path):
-    """Without Join the rank that runs out first waits for the others, they for an all-reduce it never joins:
-    every rank stops after --timeout with the same line, and nothing aborts or hangs (run() fails the test on
-    "terminate called" or SIGABRT, and when the launch outlives its own timeout)."""
-    result = run(torchrun_cmd(UNEVEN, "--no_join", "--timeout", "5", "--epochs", "2", "--snapshot_path", "uneven.pt",
-                              *SMALL), cwd=tmp_path, check=False, timeout=120)
-    assert_one_line_error(result, "different numbers of batches (22, 43, ranks 0 to 1)", "waited --timeout 5s",
-                          "leave out --no_join", code=1)
+def test_uneven_shards_without_join_hang_and_diagnose_names_both_sides(tmp_path):
+    """Without Join the rank that runs out first waits for the others (at a barrier), they for an all-reduce it
+    never joins: a hang, which `python -m diagnose --timeout 5` names with both sides, and the job ends; nothing
+    aborts (run() fails the test on "terminate called" or SIGABRT, and when the launch outlives its own timeout)."""
+    result = run([sys.executable, "-m", "diagnose", "--timeout", "5",
+                  *torchrun_cmd(UNEVEN, "--no_join", "--epochs", "2", "--snapshot_path", "uneven.pt", *SMALL)],
+                 cwd=tmp_path, env=clean_env(PYTHONPATH=REPO), check=False, timeout=120)
+    assert result.returncode != 0
+    (line,) = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("diagnose: ")]
+    assert "waited more than --timeout 5s: the ranks wait in different collectives: rank 0 in barrier" in line, line
+    assert "rank 1 in all_reduce of [42], DDP's gradients in backward()" in line, line
+    assert "Uneven shards: 22, 43 batches on ranks 0 to 1 | no Join" in result.stdout
     assert not epoch_lines(result.stdout) and not (tmp_path / "uneven.pt").exists()
 
 

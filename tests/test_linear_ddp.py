@@ -199,11 +199,12 @@ def test_ddp_py_bad_flags(tmp_path, flag, value, expected):
     assert_one_line_error(result, expected)
 
 
-# The size flags share cli.positive_int with ddp.py's, tested above; these are torchrun_ddp.py's own, and the
-# accumulation example's.
+# torchrun_ddp.py's own flags, and the accumulation example's (by_feature/ files copy the base's parser).
 @pytest.mark.parametrize("script, flag, value, expected", [
     ("torchrun_ddp.py", "--backend", "foo", "invalid choice: 'foo'"),
     ("torchrun_ddp.py", "--total_epochs", "-1", "--total_epochs/--epochs: must be a positive integer, got -1"),
+    ("torchrun_ddp.py", "--batch_size", "x", "--batch_size: expected a positive integer, got 'x'"),
+    ("torchrun_ddp.py", "--timeout", "0", "--timeout and --lr must be positive"),
     ("by_feature/gradient_accumulation.py", "--accumulation_steps", "0",
      "--accumulation_steps: must be a positive integer, got 0"),
 ])
@@ -230,7 +231,26 @@ def test_more_ranks_on_a_node_than_gpus_is_refused(tmp_path, script):
         result = run(python_cmd("ddp.py", "--backend", "nccl", "--world_size", ranks), cwd=tmp_path, env=env,
                      check=False, timeout=60)
         assert_one_line_error(result, f"{ranks} ranks on this node but only {ranks - 1} cuda device(s)")
-    else:
-        result = run([BIN / "torchrun", "--standalone", f"--nproc_per_node={ranks}", REPO / script, "--backend",
-                      "nccl"], cwd=tmp_path, env=env, check=False, timeout=90)
-        assert_one_line_error(result, f"{ranks} ranks on this node but only {ranks - 1} cuda device(s)", code=1)
+    else:  # torchrun_ddp.py trains them all on the CPU (a Mac has one mps device), where NCCL cannot run
+        torchrun = [BIN / "torchrun", "--standalone", f"--nproc_per_node={ranks}", REPO / script, *SMALL]
+        result = run([*torchrun, "--backend", "nccl"], cwd=tmp_path, env=env, check=False, timeout=90)
+        assert_one_line_error(result, "--backend nccl needs a CUDA GPU for each process", "gloo on the CPU", code=1)
+        out = run([*torchrun, "--total_epochs", "1"], cwd=tmp_path, env=env, timeout=120).stdout
+        assert f"{ranks} ranks | " in out and "| device cpu" in out, out[-2000:]
+        assert (summary(out).world_size, summary(out).backend) == (ranks, "gloo")
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("garbage", "cannot read the snapshot torchrun_ddp.pt (UnpicklingError: truncated, or not a snapshot)"),
+    ("other model", "the snapshot torchrun_ddp.pt is of another model or optimizer (Error(s) in loading state_dict"),
+])
+def test_a_snapshot_that_does_not_fit_is_named_in_one_line_and_left_alone(tmp_path, content, expected):
+    path = tmp_path / "torchrun_ddp.pt"
+    if content == "garbage":
+        path.write_bytes(b"not a snapshot")
+    else:  # a snapshot of the base with 30 features, resumed with 20
+        run(torchrun_ddp_cmd("--total_epochs", "1", "--input_size", "30"), cwd=tmp_path)
+    before = path.read_bytes()
+    result = run(torchrun_ddp_cmd("--total_epochs", "2"), cwd=tmp_path, check=False, timeout=90)
+    assert_one_line_error(result, expected, "move it away or pass another --snapshot_path", code=1)
+    assert path.read_bytes() == before and not epoch_lines(result.stdout)

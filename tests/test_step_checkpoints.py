@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 from collections import Counter
 
 import pytest
@@ -16,9 +17,8 @@ import torch
 
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish,
                       free_port, listening, load_snapshot, python_cmd, run, start, summary, torchrun_cmd)
-from ddp_common import snapshot
 from test_elastic import ELASTIC, RDZV_CONF, release_when_stopped_by_torchrun
-from test_reliability import HANG_GUARD_S, torchrun_worker, wait_for
+from test_reliability import HANG_GUARD_S, children, torchrun_worker, wait_for
 
 SCRIPT = "by_feature/step_checkpoints.py"
 N = 4096  # the example's dataset
@@ -173,9 +173,7 @@ def test_bad_input_is_one_line_and_overwrites_nothing(tmp_path):
     state = load_snapshot(path)
     for key, value, said in (("dataset_size", 1000, "another dataset size (1000, here 4096)"),
                              ("seed", 7, "another seed (7, here 0)")):
-        altered = {k: v for k, v in state.items() if k != "format"}
-        altered[key] = value
-        snapshot.save(altered, str(path))
+        torch.save({**state, key: value}, path)
         before = path.read_bytes()
         result = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "256"), cwd=tmp_path,
                      check=False, timeout=120)
@@ -215,13 +213,18 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
     """torchrun --nnodes=1:2, one process a node, one folder for the snapshot (as a shared filesystem would be):
     two nodes; node 1's agent killed mid-epoch (its worker goes with it), node 0 goes on alone from the last step
     snapshot, mid-epoch; node 2 joins, and the two go on from where node 0 got to. Every restart loses at most N
-    steps, and every epoch's samples are each trained on once (counted from the probe)."""
+    steps, and every epoch's samples are each trained on once (counted from the probe). Each node runs under
+    `python -m diagnose`, which ties a worker's life to its agent's (the script does not)."""
     probes, port = tmp_path / "probe", free_port()
     probes.mkdir()
-    env = {**ELASTIC, "DDP_EXAMPLES_PROBE_SAMPLES": str(probes)}
+    env = {**ELASTIC, "DDP_EXAMPLES_PROBE_SAMPLES": str(probes), "PYTHONPATH": str(REPO)}
+
+    def agent(job):  # the torchrun that diagnose started
+        wait_for(lambda: children(job.pid) or job.poll() is not None, 60, "torchrun under diagnose")
+        return children(job.pid)[0]
 
     def node(number):
-        return start([BIN / "torchrun", "--nnodes=1:2", "--nproc_per_node=1", "--max_restarts=3", "--rdzv_id=steps",
+        return start([sys.executable, "-m", "diagnose", "--timeout", "30", BIN / "torchrun", "--nnodes=1:2", "--nproc_per_node=1", "--max_restarts=3", "--rdzv_id=steps",
                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                       f"--rdzv_conf={RDZV_CONF.replace('last_call_timeout=1', 'last_call_timeout=5')}",
                       REPO / SCRIPT, *SMALL, "--epochs", str(EPOCHS), "--global_batch_size", "32", "--timeout", "30"],
@@ -233,10 +236,10 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
     wait_for(lambda: len(processes(probes)) == 2 and all(p[2] == 2 for p in processes(probes))
              or first.poll() is not None, 120, "both nodes in one group")
     wait_for(lambda: processes(probes)[0][4] >= 128 + 15 or first.poll() is not None, 120, "mid-epoch 1")
-    worker = torchrun_worker(second.pid, 0, 0)
-    os.kill(second.pid, signal.SIGKILL)  # the node's agent; its worker dies with it
-    wait_for(lambda: torchrun_worker(first.pid, 0, restart=1) or first.poll() is not None, 120, "node 0 alone")
-    alone = torchrun_worker(first.pid, 0, restart=1)
+    worker = torchrun_worker(agent(second), 0, 0)
+    os.kill(agent(second), signal.SIGKILL)  # the node's agent; its worker dies with it
+    wait_for(lambda: torchrun_worker(agent(first), 0, restart=1) or first.poll() is not None, 120, "node 0 alone")
+    alone = torchrun_worker(agent(first), 0, restart=1)
     wait_for(lambda: len(processes(probes)) == 3 or first.poll() is not None, 120, "node 0 alone training")
     assert first.poll() is None, finish(first, 30)
     (path,) = probes.glob("rank0-restart1-*.jsonl")

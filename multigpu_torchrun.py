@@ -68,8 +68,9 @@ class Trainer:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
         except (KeyError, RuntimeError, ValueError) as error:
-            sys.exit(f"error: the snapshot {path} is of another model or optimizer ({str(error).splitlines()[0]}); "
-                     "move it away or pass another --snapshot_path")
+            why = " ".join(str(error).split())[:300]  # torch's message, on one line
+            sys.exit(f"error: the snapshot {path} is of another model or optimizer ({why}); move it away or pass "
+                     "another --snapshot_path")
         torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
         self.epochs_run = state["epochs_run"]
         self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
@@ -127,7 +128,7 @@ def check_snapshot_path(path):
         open(path + ".tmp", "wb").close()
         os.remove(path + ".tmp")
     except OSError as error:
-        sys.exit(f"error: cannot write the snapshot {path}: {error.strerror}")
+        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
 
 
 def group_store(rank, world_size, timeout):

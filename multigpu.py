@@ -4,8 +4,12 @@
 
 Each step is the one before plus its lesson: `diff -u` it against the one before (docs/tutorial.md).
 """
+import argparse
 import os
+import socket
+import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -16,12 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cli, snapshot
-from ddp_common.data import regression_dataset
-from ddp_common.devices import check_backend
-from ddp_common.models import MLP
-from ddp_common.progress import summary_line
-from ddp_common.rendezvous import free_port
+from models_and_data import MLP, regression_dataset
 
 
 class Trainer:
@@ -34,11 +33,8 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.epochs_run = 0
         self.rank = dist.get_rank()
-        # The snapshot, if there is one (None: a fresh start). The process that saves checks now, not at the first
-        # save, that it can write it and that no other run is writing it.
-        state = snapshot.claim(snapshot_path, saves=self.rank == 0)
-        if state is not None:
-            self._load_snapshot(state)
+        if os.path.exists(snapshot_path):
+            self._load_snapshot(snapshot_path)
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
     def log(self, text):
@@ -54,12 +50,27 @@ class Trainer:
             "rng": torch.get_rng_state(),
             "epochs_run": epoch + 1,
         }
-        snapshot.save(state, self.snapshot_path)  # atomically: a crash mid-save leaves the previous snapshot whole
+        # Written beside it, then renamed over it: a crash mid-save leaves the previous snapshot whole.
+        tmp = self.snapshot_path + ".tmp"
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            os.fsync(f.fileno())
+        os.replace(tmp, self.snapshot_path)
         self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
 
-    def _load_snapshot(self, state):
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+    def _load_snapshot(self, path):
+        try:  # a bad file named in one line, not a traceback; training on would overwrite it
+            state = torch.load(path, map_location="cpu")
+        except Exception as error:
+            sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a "
+                     "snapshot); move it away or pass another --snapshot_path")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
+        except (KeyError, RuntimeError, ValueError) as error:
+            why = " ".join(str(error).split())[:300]  # torch's message, on one line
+            sys.exit(f"error: the snapshot {path} is of another model or optimizer ({why}); move it away or pass "
+                     "another --snapshot_path")
         torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
         self.epochs_run = state["epochs_run"]
         self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
@@ -97,7 +108,9 @@ class Trainer:
         wall = time.perf_counter() - start  # loss.item() above waited for the device
         epochs = max_epochs - self.epochs_run
         samples = epochs * len(self.train_data.dataset)
-        self.log(summary_line(epochs, epochs * len(self.train_data), loss, samples, wall))
+        self.log(f"Summary: epochs {epochs} | steps {epochs * len(self.train_data)} | final loss {loss:.6f} | "
+                 f"samples/s {samples / wall:.1f} | wall {wall:.2f}s | world size {dist.get_world_size()} | "
+                 f"backend {dist.get_backend()}")
 
 
 def load_train_objs(seed):
@@ -108,17 +121,35 @@ def load_train_objs(seed):
     return train_set, model, optimizer
 
 
-@cli.rank_main  # one-line errors in each process, as cli.run gives the parent
+def check_snapshot_path(path):
+    """Stop now, not after the first epochs, where the snapshot cannot be written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path + ".tmp", "wb").close()
+        os.remove(path + ".tmp")
+    except OSError as error:
+        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
+
+
 def main(rank, world_size, args, port):
+    # mp.spawn numbers the processes 0 to world_size - 1: the number is the rank, and picks the process's GPU.
     # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
-    device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")  # mp.spawn's rank: the GPU
-    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, world_size)
+    if accelerator and world_size > torch.accelerator.device_count():
+        accelerator = None  # more processes than devices (a Mac has one mps device): every process on the CPU
+    device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
+    backend = args.backend or dist.get_default_backend_for_device(device)
+    if backend == "nccl" and device.type != "cuda":
+        sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
+    if rank == 0:  # rank 0 saves; the launcher stops every rank where it cannot
+        check_snapshot_path(args.snapshot_path)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
     # DDP all-reduces the gradients in the backward pass, over this group of world_size processes.
+    # They meet at the port the parent picked.
+    timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=args.timeout, device_id=device if accelerator else None)
+                            timeout=timeout, device_id=device if accelerator else None)
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     dataset, model, optimizer = load_train_objs(args.seed)
@@ -131,11 +162,39 @@ def main(rank, world_size, args, port):
 
 
 def spawn(args):
-    world_size = args.world_size or torch.accelerator.device_count() or 2
+    world_size = args.world_size or torch.accelerator.device_count() or 2  # every GPU, or 2 CPU processes
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: else each process takes every core
-    mp.spawn(main, args=(world_size, args, free_port()), nprocs=world_size)  # main(rank, ...) in each process
+    with socket.socket() as sock:  # a port free now, for the processes to meet at
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    try:
+        mp.spawn(main, args=(world_size, args, port), nprocs=world_size)  # main(rank, ...) in each process
+    except mp.ProcessExitedException as error:  # one ended early (it said why, or a signal killed it)
+        sys.exit(error.exit_code if error.exit_code > 0 else  # ... and mp.spawn stopped the others
+                 f"{error}; mp.spawn stopped the others. Start again to resume from the last snapshot")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
+    parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
+    parser.add_argument("--total_epochs", "--epochs", type=int, help="epochs in all (default 50)")
+    parser.add_argument("--save_every", type=int, help="epochs between snapshots; the last is saved too (default 10)")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process (default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
+    parser.add_argument("--snapshot_path", default="multigpu.pt", help="resume from and save to this file")
+    parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
+    parser.add_argument("--world_size", type=int, help="processes to start (default: one per GPU, or 2 on the CPU)")
+    args = parser.parse_args()
+    args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
+    args.save_every = args.every_arg if args.save_every is None else args.save_every
+    if min(args.total_epochs, args.save_every, args.batch_size, args.timeout) <= 0:
+        parser.error("--total_epochs, --save_every, --batch_size and --timeout must be positive")
+    if args.world_size is not None and args.world_size <= 0:
+        parser.error("--world_size must be positive")
+    return args
 
 
 if __name__ == "__main__":
-    parser = cli.training_parser(__doc__, world_size=True, distributed=True)
-    cli.run(spawn, parser)
+    spawn(parse_args())

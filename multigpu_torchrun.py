@@ -51,10 +51,11 @@ class Trainer:
             "epochs_run": epoch + 1,
         }
         # Written beside it, then renamed over it: a crash mid-save leaves the previous snapshot whole.
-        with open(self.snapshot_path + ".tmp", "wb") as f:
+        tmp = self.snapshot_path + ".tmp"
+        with open(tmp, "wb") as f:
             torch.save(state, f)
             os.fsync(f.fileno())
-        os.replace(self.snapshot_path + ".tmp", self.snapshot_path)
+        os.replace(tmp, self.snapshot_path)
         self.log(f"Epoch {epoch} | Snapshot saved at {self.snapshot_path}")
 
     def _load_snapshot(self, path):
@@ -67,8 +68,9 @@ class Trainer:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])  # the momentum, without which resuming is not exact
         except (KeyError, RuntimeError, ValueError) as error:
-            sys.exit(f"error: the snapshot {path} is of another model or optimizer ({str(error).splitlines()[0]}); "
-                     "move it away or pass another --snapshot_path")
+            why = " ".join(str(error).split())[:300]  # torch's message, on one line
+            sys.exit(f"error: the snapshot {path} is of another model or optimizer ({why}); move it away or pass "
+                     "another --snapshot_path")
         torch.set_rng_state(state["rng"])  # the shuffle order of the epochs to come
         self.epochs_run = state["epochs_run"]
         self.log(f"Resuming from {self.snapshot_path} at epoch {self.epochs_run}")
@@ -119,20 +121,29 @@ def load_train_objs(seed):
     return train_set, model, optimizer
 
 
+def check_snapshot_path(path):
+    """Stop now, not after the first epochs, where the snapshot cannot be written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path + ".tmp", "wb").close()
+        os.remove(path + ".tmp")
+    except OSError as error:
+        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
+
+
 def group_store(rank, world_size, timeout):
-    """A store of this group's own under torchrun. Its own outlives a restart with the dead group's keys, and a
-    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too).
-    Rank 0 posts a fresh store's port in torchrun's; where nothing answers, the post is the dead group's."""
+    """Under torchrun, a store of this group's own: torchrun's outlives a restart with the dead group's keys, and a
+    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host = os.environ["MASTER_ADDR"]
     torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:
+    if rank == 0:  # a fresh store, its port posted in torchrun's
         store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         torchrun_store.set("group_store_port", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # where nothing answers at the posted port, the post is the dead group's
         port = int(torchrun_store.get("group_store_port"))
         try:
             socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
@@ -154,17 +165,12 @@ def main(args):
     backend = args.backend or dist.get_default_backend_for_device(device)
     if backend == "nccl" and device.type != "cuda":
         sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
-    if rank == 0:  # the snapshot's folder checked now, not after the first epochs; torchrun then stops every rank
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.snapshot_path)), exist_ok=True)
-            open(args.snapshot_path + ".tmp", "wb").close()
-            os.remove(args.snapshot_path + ".tmp")
-        except OSError as error:
-            sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
+    if rank == 0:  # rank 0 saves; the launcher stops every rank where it cannot
+        check_snapshot_path(args.snapshot_path)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # DDP all-reduces the gradients in the backward pass, over this group of world_size processes. A framework
-    # that calls main() (Ray Train, say) may own the group already.
+    # DDP all-reduces the gradients in the backward pass, over this group of world_size processes.
+    # A framework that calls main() (Ray Train, say) may own the group already.
     timeout = timedelta(seconds=args.timeout)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -199,7 +205,7 @@ def parse_args():
     if min(args.total_epochs, args.save_every, args.batch_size, args.timeout) <= 0:
         parser.error("--total_epochs, --save_every, --batch_size and --timeout must be positive")
     if "RANK" not in os.environ:
-        parser.error("start it with torchrun: torchrun --standalone --nproc_per_node=2 multigpu_torchrun.py")
+        parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     return args
 
 

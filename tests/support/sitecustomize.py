@@ -15,6 +15,8 @@ On request, through the environment:
   model's weights to DIR/rank<R>.pt, so a test can compare the ranks' weights itself.
 - DDP_EXAMPLES_PROBE_FAKE_GPUS=N: torch reports N CUDA GPUs and NCCL, for the checks that run before any
   GPU is touched (more ranks than GPUs).
+- DDP_EXAMPLES_PROBE_FAKE_MPS=1: torch reports one mps device, as on Apple silicon, for the scripts' choice of
+  device (more processes than devices train on the CPU); the device itself is never touched.
 - DDP_EXAMPLES_PROBE_SAMPLES=DIR: each process writes DIR/rank<R>-restart<C>-<pid>.jsonl, a line per event:
   first {"start": time, "rank": R, "world_size": W}, then {"iter": N} when a DataLoader starts its N-th pass (an epoch, or what is left of one), {"batch": [indices]}
   for every batch a DataLoader fetches, {"step": N} after every optimizer step (N counted in this process), so
@@ -177,6 +179,12 @@ def patch_torch(module):
     module.distributed.is_nccl_available = lambda: True
 
 
+def patch_mps(module):
+    module.accelerator.current_accelerator = lambda *args, **kwargs: module.device("mps")
+    module.accelerator.device_count = lambda: 1
+    module.backends.mps.is_available = lambda: True
+
+
 PATCHES = {"torch.distributed.distributed_c10d": patch_c10d}
 if os.environ.get("DDP_EXAMPLES_PROBE_WEIGHTS"):
     PATCHES["transformers.trainer"] = patch_trainer
@@ -189,6 +197,8 @@ if os.environ.get("DDP_EXAMPLES_PROBE_SAMPLES"):
     PATCHES["torch.utils.data.dataloader"] = patch_dataloader
 if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_GPUS"):
     PATCHES["torch"] = patch_torch
+if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_MPS"):
+    PATCHES["torch"] = patch_mps
 
 
 class PatchAfterImport(importlib.abc.MetaPathFinder):

@@ -98,16 +98,6 @@ def test_the_tutorial_in_order_in_one_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["multigpu.pt", "singlegpu.pt"]
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("script, args, message", [
-    ("torchrun_ddp.py", ("--total_epochs", "fifty"), "argument --total_epochs/--epochs: expected a positive integer"),
-])
-def test_a_flag_error_is_said_once_per_node_under_torchrun(tmp_path, script, args, message):
-    result = run(torchrun_cmd(script, *args), cwd=tmp_path, check=False, timeout=60)
-    line = assert_one_line_error(result, message, code=1)
-    assert result.stderr.count(line) == 1, result.stderr
-
-
 def test_mpirun_from_a_venv_that_is_not_activated(tmp_path):
     """The docs' form names the venv's mpirun and python: it works with a PATH that has neither (no activate)."""
     env = mpi_env()

@@ -145,14 +145,15 @@ def check_fits(path, state):
     saved = {key: tuple(item.size) for key, item in metadata.state_dict_metadata.items()
              if isinstance(item, TensorStorageMetadata)}
     ours = {}
-    for part, tensors in state.items():  # {"model": {name: tensor}, "optimizer": {"state": {name: {...}}, ...}}
-        stack = [(part, tensors)]
-        while stack:
-            prefix, value = stack.pop()
-            if isinstance(value, dict):
-                stack += [(f"{prefix}.{key}", item) for key, item in value.items()]
-            elif isinstance(value, torch.Tensor):
-                ours[prefix] = tuple(value.shape)
+
+    def shapes(prefix, value):  # DCP's keys: {"model": {"inp.weight": ...}} is "model.inp.weight"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                shapes(f"{prefix}.{key}" if prefix else key, item)
+        elif isinstance(value, torch.Tensor):
+            ours[prefix] = tuple(value.shape)
+
+    shapes("", state)
     differences = ([f"{key} is {list(saved[key])}, here {list(ours[key])}" for key in ours
                     if key in saved and saved[key] != ours[key]]
                    + [f"{key} is missing" for key in ours if key not in saved]

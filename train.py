@@ -8,11 +8,9 @@
                                      # a restarted group resumes from the newest checkpoint
     python train.py                  # MNIST from the Hugging Face Hub (ylecun/mnist)
 
---data_dir holds MNIST's IDX files (plain or .gz, directly or under MNIST/raw as torchvision keeps them) or a
-DatasetDict written by save_to_disk. The repository's data/mnist is the official test set alone: the script then
-trains on 8,000 of its images, evaluates on the other 2,000, and says so. Every field of TrainingArguments is a
-flag (`python train.py --help`), with defaults for a small CNN trained from scratch. The run writes checkpoints,
-the model and train/eval/all_results.json to --output_dir (trainer_output).
+--data_dir: MNIST's IDX files (plain or .gz, there or under MNIST/raw) or a DatasetDict from save_to_disk; data/mnist
+is the test set alone, split 8,000 / 2,000. Every field of TrainingArguments is a flag (--help). Checkpoints, the
+model and train/eval/all_results.json go to --output_dir (trainer_output).
 """
 import gc
 import hashlib
@@ -82,9 +80,8 @@ DEFAULTS = dict(
 
 
 def load_splits(data_dir, cache_dir=None):
-    """(DatasetDict with "train" and "test", each with "image" and "label", note): from the Hub without data_dir,
-    else from save_to_disk's folder or from IDX files (models_and_data.mnist_splits; the note says which split a
-    test-set-only folder gave). Rows come out as numpy arrays (the Hub stores PIL images)."""
+    """(DatasetDict of "train" and "test" with "image" and "label" columns, note): from the Hub, save_to_disk's
+    folder or IDX files (the note says how a test-set-only folder was split). Rows as numpy arrays."""
     note = None
     try:
         if data_dir is None:
@@ -95,7 +92,7 @@ def load_splits(data_dir, cache_dir=None):
             sys.exit(f"error: --data_dir {data_dir} is not a directory; {GET_THE_DATA}")
         else:
             *pairs, note = mnist_splits(data_dir)  # (images uint8 [N, 28, 28], labels) of each split
-            splits = DatasetDict({name: Dataset.from_dict({"image": images.reshape(len(images), -1).numpy(),
+            splits = DatasetDict({name: Dataset.from_dict({"image": images.reshape(-1, 28 * 28).numpy(),
                                                            "label": labels.numpy()})
                                   for name, (images, labels) in zip(("train", "test"), pairs)})
     except (OSError, ValueError) as error:  # no network (ConnectionError), a missing or damaged file
@@ -113,21 +110,17 @@ def collate(rows):
 
 
 def mpi_environment():
-    """Under mpirun: RANK, WORLD_SIZE, ... from MPI, as torchrun sets them. mpirun numbers the processes but names no
-    rendezvous address: rank 0 picks one and a free port, and tells the others over MPI (run_with_mpirun.py)."""
+    """Under mpirun: RANK, WORLD_SIZE, ... from MPI, as torchrun sets them. mpirun names no rendezvous address:
+    rank 0 picks one and a free port, and tells the others over MPI (run_with_mpirun.py shows it step by step)."""
     from mpi4py import MPI  # here, not above: importing it starts MPI, which only an mpirun launch needs
 
     comm = MPI.COMM_WORLD
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())  # the processes on this machine
-    address = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        one_host = node.Get_size() == comm.Get_size()
-        address = (os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname())),
-                   os.environ.get("MASTER_PORT") or str(port))
-    address = comm.bcast(address, root=0)
+    host = "127.0.0.1" if node.Get_size() == comm.Get_size() else socket.gethostbyname(socket.gethostname())
+    with socket.socket() as sock:  # a free port of rank 0's machine (the others' pick is not used)
+        sock.bind(("", 0))
+        mine = (os.environ.get("MASTER_ADDR", host), os.environ.get("MASTER_PORT", str(sock.getsockname()[1])))
+    address = comm.bcast(mine, root=0)
     os.environ.update(RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(node.Get_rank()),
                       LOCAL_WORLD_SIZE=str(node.Get_size()), MASTER_ADDR=address[0], MASTER_PORT=address[1])
     if "OMP_NUM_THREADS" not in os.environ:  # unlike torchrun, mpirun leaves it unset: share this machine's cores
@@ -158,8 +151,7 @@ def group_store(rank, world_size, timeout):
 
 
 def start_process_group(flags):
-    """Under a launcher, the process group started here, before TrainingArguments: made from flags, it would set up
-    the devices at once, and on the CPU leave out --ddp_timeout. Returns the backend; None for one process."""
+    """Under a launcher, before TrainingArguments (which would start it without --ddp_timeout on the CPU)."""
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if not flags["use_cpu"] and not torch.accelerator.is_available():
         sys.exit("error: --use_cpu False on a machine without a usable GPU: each process would train alone, not with "
@@ -181,8 +173,8 @@ def start_process_group(flags):
 
 
 def checkpoint_to_resume(value, output_dir):
-    """--resume_from_checkpoint: a checkpoint folder, or last/True for the newest one in output_dir. Without it, a
-    group that torchrun restarted after a failure goes on from the newest checkpoint, not from scratch."""
+    """--resume_from_checkpoint: a folder, or last/True for the newest in output_dir. Without it, a group that
+    torchrun restarted after a failure goes on from the newest checkpoint, not from scratch."""
     last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     if value is None:
         return last if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 else None
@@ -205,10 +197,9 @@ class RunSpan(TrainerCallback):
 
 
 def eval_metrics(prediction):
-    """Accuracy and loss over the evaluation set, each image counted once at any world size (docs/train.md). The
-    Trainer hands over all ranks' logits and labels with the padding that evened out their shards removed
-    (gather_for_metrics). Its own eval_loss averages per-batch means, weighing each rank's short last batch like a
-    full one: the "loss" here takes its place (the Trainer prefixes it to eval_loss after setting its own)."""
+    """Accuracy and loss, each image counted once at any world size: the Trainer hands over all ranks' logits with
+    the padding of their shards removed (gather_for_metrics). Its own eval_loss weighs each rank's short last batch
+    like a full one: this "loss" replaces it (docs/train.md)."""
     logits, labels = torch.tensor(prediction.predictions), torch.tensor(prediction.label_ids)
     correct = int((logits.argmax(-1) == labels).sum())
     return {"accuracy": correct / len(labels), "loss": F.cross_entropy(logits.double(), labels).item(),

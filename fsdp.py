@@ -2,14 +2,10 @@
 
     torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --amp --async_save   # 2 processes (GPUs, or CPU with gloo)
     torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --save_every_steps 20   # mid-epoch checkpoints too
-    # two nodes, HOST an address of node 0; the checkpoints on a filesystem that both nodes share:
-    torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
-        fsdp.py 50 10 --snapshot_path /shared/fsdp_checkpoints
 
-A checkpoint is a directory of shards (fsdp_checkpoints/epoch_000010/); a run resumes from the newest complete one,
-at the same or at another world size, mid-epoch too: each epoch has one order of the whole dataset, and the
-checkpoint holds how far into it training is, which means the same at any world size (fsdp_checkpoint.py,
-docs/fsdp.md). Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py`.
+A checkpoint is a directory of shards (fsdp_checkpoints/epoch_000010/, fsdp_checkpoint.py); a run resumes from the
+newest complete one, at any world size, mid-epoch too. On several nodes, --snapshot_path on a filesystem they share.
+Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py` (docs/fsdp.md).
 """
 import argparse
 import gc
@@ -38,16 +34,17 @@ class Trainer:
         self.model = model  # sharded by fully_shard, on the device
         self.train_data = train_data
         self.optimizer = optimizer
-        self.save_every, self.save_every_steps = save_every, save_every_steps
+        self.save_every = save_every
+        self.save_every_steps = save_every_steps
         self.sampler = train_data.sampler
         self.position, self.steps_done = 0, 0  # samples of the epoch's order used; steps since the start
         self.snapshot_path = snapshot_path
-        self.save = dcp.async_save if async_save else dcp.save  # async: copies the shards, writes them in a thread
+        self.epochs_run = 0
         self.rank = dist.get_rank()
+        self.save = dcp.async_save if async_save else dcp.save  # async: copies the shards, writes them in a thread
         # Every rank saves its own shards there; rank 0 marks a checkpoint complete once all are written, and says so.
         self.checkpoints = CheckpointDir(snapshot_path, log=self.log)
         where, path = self.checkpoints.newest()  # complete checkpoints only
-        self.epochs_run = 0
         if where:
             state = self.state()  # this rank's shards now: DCP reads into them what they cover of the saved ones
             with self.checkpoints.loading(path, state):  # another model, a missing shard: one line
@@ -93,7 +90,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for source, targets in self.train_data:
             step_size = min(self.sampler.global_batch, self.sampler.size - self.position)
-            loss_sum += self._run_batch(source.to(self.device), targets.to(self.device), step_size)
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss_sum += self._run_batch(source, targets, step_size)
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
             if self.save_every_steps and self.steps_done % self.save_every_steps == 0 and self.position < self.sampler.size:
                 self._save()  # mid-epoch: the epochs done, and how far into this one's order
@@ -177,17 +175,18 @@ def main(args):
     backend = args.backend or dist.get_default_backend_for_device(device)
     if backend == "nccl" and device.type != "cuda":
         sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
-    if rank == 0:  # the checkpoints' folder checked now, not after the first epochs; torchrun then stops every rank
+    if rank == 0:  # the snapshot's folder checked now, not after the first epochs; torchrun then stops every rank
         probe = os.path.join(args.snapshot_path, f".probe-{os.getpid()}")
         try:
             os.makedirs(args.snapshot_path, exist_ok=True)
             open(probe, "wb").close()
             os.remove(probe)
         except OSError as error:
-            sys.exit(f"error: cannot write checkpoints in {args.snapshot_path}: {error.strerror}")
+            sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # FSDP gathers and reduce-scatters the shards over this group. A framework that calls main() may own it already.
+    # FSDP gathers and reduce-scatters the shards over this group of world_size processes. A framework
+    # that calls main() (Ray Train, say) may own the group already.
     timeout = timedelta(seconds=args.timeout)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -223,7 +222,7 @@ def parse_args():
     parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
     parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
     parser.add_argument("--total_epochs", "--epochs", type=int, help="epochs in all (default 50)")
-    parser.add_argument("--save_every", type=int, help="epochs between checkpoints; the last is saved too (default 10)")
+    parser.add_argument("--save_every", type=int, help="epochs between snapshots; the last is saved too (default 10)")
     parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
     parser.add_argument("--snapshot_path", default="fsdp_checkpoints", help="the checkpoints' directory")
@@ -238,10 +237,10 @@ def parse_args():
     args = parser.parse_args()
     args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
     args.save_every = args.every_arg if args.save_every is None else args.save_every
-    optional = [value for value in (args.save_every_steps, args.global_batch_size) if value is not None]
-    if min(args.total_epochs, args.save_every, args.batch_size, args.timeout, *optional) <= 0:
-        parser.error("--total_epochs, --save_every, --batch_size, --timeout, --save_every_steps and "
-                     "--global_batch_size must be positive")
+    if min(args.total_epochs, args.save_every, args.batch_size, args.timeout) <= 0:
+        parser.error("--total_epochs, --save_every, --batch_size and --timeout must be positive")
+    if any(value is not None and value <= 0 for value in (args.save_every_steps, args.global_batch_size)):
+        parser.error("--save_every_steps and --global_batch_size must be positive")
     if "RANK" not in os.environ:
         parser.error("start it with torchrun: torchrun --standalone --nproc_per_node=2 fsdp.py")
     return args

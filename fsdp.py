@@ -2,17 +2,18 @@
 
     torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --amp --async_save   # 2 processes (GPUs, or CPU with gloo)
     torchrun --standalone --nproc_per_node=2 fsdp.py 50 10 --save_every_steps 20   # mid-epoch checkpoints too
-    # two nodes, HOST an address of node 0; the checkpoints on a filesystem that both nodes share:
-    torchrun --nnodes=2 --nproc_per_node=gpu --rdzv_id=job42 --rdzv_backend=c10d --rdzv_endpoint=HOST:29603 \
-        fsdp.py 50 10 --snapshot_path /shared/fsdp_checkpoints
 
-A checkpoint is a directory of shards (fsdp_checkpoints/epoch_000010/); a run resumes from the newest complete one,
-at the same or at another world size, mid-epoch too: each epoch has one order of the whole dataset, and the
-checkpoint holds how far into it training is, which means the same at any world size (docs/fsdp.md).
-Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py`.
+A checkpoint is a directory of shards (fsdp_checkpoints/epoch_000010/, fsdp_checkpoint.py); a run resumes from the
+newest complete one, at any world size, mid-epoch too. On several nodes, --snapshot_path on a filesystem they share.
+Its lesson, as a diff: `diff -u multigpu_torchrun.py fsdp.py` (docs/fsdp.md).
 """
+import argparse
+import gc
 import os
+import socket
+import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,15 +24,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 
-from ddp_common import cli, teardown
-from ddp_common.checkpoint_dir import CheckpointDir
-from ddp_common.data import regression_dataset
-from ddp_common.devices import check_backend, share_cores
-from ddp_common.memory import memory_report
-from ddp_common.models import BlockMLP
-from ddp_common.progress import summary_line
-from ddp_common.rendezvous import group_store
-from ddp_common.sharding import GlobalOrderSampler
+from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, memory_report
+from models_and_data import BlockMLP, regression_dataset
 
 
 class Trainer:
@@ -40,38 +34,45 @@ class Trainer:
         self.model = model  # sharded by fully_shard, on the device
         self.train_data = train_data
         self.optimizer = optimizer
-        self.save_every, self.save_every_steps = save_every, save_every_steps
+        self.save_every = save_every
+        self.save_every_steps = save_every_steps
         self.sampler = train_data.sampler
         self.position, self.steps_done = 0, 0  # samples of the epoch's order used; steps since the start
         self.snapshot_path = snapshot_path
-        self.save = dcp.async_save if async_save else dcp.save  # async: copies the shards, writes them in a thread
-        self.logs = dist.get_rank() == 0  # rank 0 speaks for all (and marks checkpoints complete)
-        # Every rank saves its own shards there; rank 0 marks a checkpoint complete once all are written, and says so.
-        self.checkpoints = CheckpointDir(snapshot_path, log=print)
-        where, path = self.checkpoints.newest()  # complete checkpoints only
         self.epochs_run = 0
+        self.rank = dist.get_rank()
+        self.save = dcp.async_save if async_save else dcp.save  # async: copies the shards, writes them in a thread
+        # Every rank saves its own shards there; rank 0 marks a checkpoint complete once all are written, and says so.
+        self.checkpoints = CheckpointDir(snapshot_path, log=self.log)
+        where, path = self.checkpoints.newest()  # complete checkpoints only
         if where:
             state = self.state()  # this rank's shards now: DCP reads into them what they cover of the saved ones
             with self.checkpoints.loading(path, state):  # another model, a missing shard: one line
                 dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-            self.resume_at(where, path)
+            self.sampler.check_snapshot(where, path)  # its position counts into one dataset's and seed's order
+            self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
+            self.log(f"Resuming from {path} at epoch {self.epochs_run}"
+                     + (f", sample {self.position} of {self.sampler.size}" if self.position else ""))
+
+    def log(self, text):
+        if self.rank == 0:  # rank 0 speaks for all (and marks checkpoints complete)
+            print(text)
 
     def where(self):
         """What a checkpoint's marker holds besides the shards: where training stands, and what that depends on."""
         return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
                 "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch}
 
-    def resume_at(self, where, path):
-        self.sampler.check_snapshot(where, path)  # its position counts into one dataset's and seed's order
-        self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
-        self.log(f"Resuming from {path} at epoch {self.epochs_run}"
-                 + (f", sample {self.position} of {self.sampler.size}" if self.position else ""))
-
     def state(self, options=None):
         """Model and optimizer state keyed by parameter name, not by rank; by default each rank's shards."""
         model, optimizer = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model, "optimizer": optimizer}
+
+    def _save(self):
+        path = self.checkpoints.start(self.where())  # its .tmp directory, once the save before it is complete
+        # Every rank writes its own shards at once (async: copies them, and writes while training goes on).
+        self.checkpoints.saving(self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
 
     def _run_batch(self, source, targets, step_size):
         self.optimizer.zero_grad(set_to_none=True)
@@ -89,7 +90,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for source, targets in self.train_data:
             step_size = min(self.sampler.global_batch, self.sampler.size - self.position)
-            loss_sum += self._run_batch(source.to(self.device), targets.to(self.device), step_size)
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss_sum += self._run_batch(source, targets, step_size)
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
             if self.save_every_steps and self.steps_done % self.save_every_steps == 0 and self.position < self.sampler.size:
                 self._save()  # mid-epoch: the epochs done, and how far into this one's order
@@ -102,11 +104,6 @@ class Trainer:
         self.epochs_run, self.position = epoch + 1, 0
         return mean_loss
 
-    def _save(self):
-        path = self.checkpoints.start(self.where())  # its .tmp directory, once the save before it is complete
-        # Every rank writes its own shards at once (async: copies them, and writes while training goes on).
-        self.checkpoints.saving(self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
-
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
             self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
@@ -115,20 +112,17 @@ class Trainer:
         start, first_epoch, first_step = time.perf_counter(), self.epochs_run, self.steps_done
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
-            epochs_done = epoch + 1
             if epoch == first_epoch:  # measured once gradients and optimizer state exist
                 self.log(memory_report(self.model, self.optimizer))
-            if epochs_done % self.save_every == 0 or epochs_done == max_epochs:
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save()
-            self.checkpoints.commit(wait=epochs_done == max_epochs)  # async: complete once written
+            self.checkpoints.commit(wait=epoch + 1 == max_epochs)  # async: complete once written
         wall = time.perf_counter() - start  # loss.item() above waited for the device
         epochs = max_epochs - first_epoch
         samples = epochs * self.sampler.size
-        self.log(summary_line(epochs, self.steps_done - first_step, loss, samples, wall))
-
-    def log(self, text):
-        if self.logs:
-            print(text)
+        self.log(f"Summary: epochs {epochs} | steps {self.steps_done - first_step} | final loss {loss:.6f} | "
+                 f"samples/s {samples / wall:.1f} | wall {wall:.2f}s | world size {dist.get_world_size()} | "
+                 f"backend {dist.get_backend()}")
 
 
 def load_train_objs(seed, mesh, amp):
@@ -146,24 +140,60 @@ def load_train_objs(seed, mesh, amp):
     return train_set, model, optimizer
 
 
+def group_store(rank, world_size, timeout):
+    """A store of this group's own under torchrun. Its own outlives a restart with the dead group's keys, and a
+    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too).
+    Rank 0 posts a fresh store's port in torchrun's; where nothing answers, the post is the dead group's."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host = os.environ["MASTER_ADDR"]
+    torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        torchrun_store.set("group_store_port", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        port = int(torchrun_store.get("group_store_port"))
+        try:
+            socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except OSError:
+            time.sleep(0.1)
+    sys.exit(f"error: rank 0 opened no store for this group within --timeout {timeout.total_seconds():g}s")
+
+
 def main(args):
     # torchrun numbers the processes: RANK in the whole job, LOCAL_RANK on this machine (which picks its GPU).
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # the processes on this machine, each with its own GPU
     # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
+    if accelerator and local_world_size > torch.accelerator.device_count():
+        accelerator = None  # more processes than devices (a Mac has one mps device): every process on the CPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
-    backend = check_backend(args.backend or dist.get_default_backend_for_device(device), device, local_world_size)
+    backend = args.backend or dist.get_default_backend_for_device(device)
+    if backend == "nccl" and device.type != "cuda":
+        sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
+    if rank == 0:  # the snapshot's folder checked now, not after the first epochs; torchrun then stops every rank
+        probe = os.path.join(args.snapshot_path, f".probe-{os.getpid()}")
+        try:
+            os.makedirs(args.snapshot_path, exist_ok=True)
+            open(probe, "wb").close()
+            os.remove(probe)
+        except OSError as error:
+            sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # FSDP gathers and reduce-scatters the shards over this group. It meets in a store of its own: torchrun's
-    # outlives a restart with the old group's keys (docs/failures.md).
-    dist.init_process_group(backend, store=group_store(rank, world_size, args.timeout), rank=rank,
-                            world_size=world_size, timeout=args.timeout, device_id=device if accelerator else None)
-    threads = share_cores(device)  # torchrun sets OMP_NUM_THREADS=1 only for 2+ processes a machine: see devices.py
+    # FSDP gathers and reduce-scatters the shards over this group of world_size processes. A framework
+    # that calls main() (Ray Train, say) may own the group already.
+    timeout = timedelta(seconds=args.timeout)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, store=group_store(rank, world_size, timeout), rank=rank,
+                                world_size=world_size, timeout=timeout, device_id=device if accelerator else None)
     if rank == 0:
-        print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}"
-              + (f" | {threads}" if threads else ""))
+        print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,))  # one dimension: shard over all ranks
     dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp)
     # Every rank builds the same dataset (same seed). Each step takes the next global batch of the epoch's order and
@@ -171,7 +201,7 @@ def main(args):
     sampler = GlobalOrderSampler(len(dataset), rank, world_size, args.global_batch_size or args.batch_size * world_size,
                                  seed=args.seed)
     # The sampler hands out whole batches. The loader gets a generator of its own: each pass draws a seed, else from
-    # the global generator, whose state the snapshot keeps (a resumed part of an epoch would draw once more).
+    # the global generator (a resumed part of an epoch would draw once more than the run it resumes).
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
     trainer = Trainer(model, train_data, optimizer, args.save_every, args.save_every_steps, args.snapshot_path,
                       args.async_save, device)
@@ -181,18 +211,40 @@ def main(args):
         if rank == 0:
             torch.save(full_state, args.export_path)
     del trainer, model, optimizer  # they hold the process group: free them, so destroy_process_group frees it
-    teardown.release_fsdp(mesh)  # FSDP's reference cycles, and the mesh that DTensor's caches keep (see there)
-    dist.destroy_process_group()
+    gc.collect()  # FSDP2's modules sit in reference cycles (hooks hold FSDP's state, which holds the module)
+    mesh._pg_registry.clear()  # DTensor's caches keep the mesh for good, and it its groups (private: no public way)
+    if owns_group:
+        dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    parser = cli.training_parser(__doc__, snapshot_path="fsdp_checkpoints", distributed=True)
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
+    parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
+    parser.add_argument("--total_epochs", "--epochs", type=int, help="epochs in all (default 50)")
+    parser.add_argument("--save_every", type=int, help="epochs between snapshots; the last is saved too (default 10)")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process (default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
+    parser.add_argument("--snapshot_path", default="fsdp_checkpoints", help="the checkpoints' directory")
+    parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
     parser.add_argument("--amp", action="store_true", help="bf16 compute; fp32 gradient reduction and weights")
     parser.add_argument("--async_save", action="store_true", help="write checkpoints while training goes on")
     parser.add_argument("--export_path", help="at the end, write the full state to this file (torch.save)")
-    parser.add_argument("--save_every_steps", type=cli.positive_int,
-                        help="also write a checkpoint every N steps, mid-epoch: a crash costs at most N steps")
-    parser.add_argument("--global_batch_size", type=cli.positive_int,
-                        help="samples per step over all ranks (default: --batch_size times the world size); keep it "
-                             "when resuming at another world size, and the run trains as it would have")
-    cli.run(main, parser)
+    parser.add_argument("--save_every_steps", type=int, help="also a checkpoint every N steps, mid-epoch")
+    parser.add_argument("--global_batch_size", type=int, help="samples per step over all ranks (default: --batch_size "
+                        "times the world size); keep it when resuming at another world size")
+    args = parser.parse_args()
+    args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
+    args.save_every = args.every_arg if args.save_every is None else args.save_every
+    if min(args.total_epochs, args.save_every, args.batch_size, args.timeout) <= 0:
+        parser.error("--total_epochs, --save_every, --batch_size and --timeout must be positive")
+    if any(value is not None and value <= 0 for value in (args.save_every_steps, args.global_batch_size)):
+        parser.error("--save_every_steps and --global_batch_size must be positive")
+    if "RANK" not in os.environ:
+        parser.error("start it with torchrun: torchrun --standalone --nproc_per_node=2 fsdp.py")
+    return args
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -13,8 +13,6 @@ from conftest import (REPO, assert_bitwise_equal, assert_one_line_error, clean_e
                       python_cmd, run, summary, torchrun_cmd)
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common.mnist import collate, load_mnist_splits
-from ddp_common.models import SimpleCNN
 from models_and_data import LinearClassifier, classification_splits
 
 SMALL = ("--input_size", "20")
@@ -139,9 +137,11 @@ def test_trainer_evaluation_counts_each_image_once(mnist_dir, tmp_path):
                      "384", "--max_eval_samples", str(EVAL_SIZE), "--num_train_epochs", "1", "--disable_tqdm", "True",
                      nproc=3), cwd=tmp_path, timeout=600)
     metrics = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    from train import SimpleCNN, collate, load_splits  # train.py's own model and data (it imports transformers)
+
     model = SimpleCNN()
     model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
-    splits, _ = load_mnist_splits(str(mnist_dir))
+    splits, _ = load_splits(str(mnist_dir))
     batch = collate([splits["test"][i] for i in range(EVAL_SIZE)])
     with torch.no_grad():
         logits = model(batch["image"])["logits"]

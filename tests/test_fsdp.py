@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, collectives_issued,
                       epoch_lines, finish, free_port, run, start, summary, torchrun_cmd)
-from ddp_common import checkpoint_dir
+import fsdp_checkpoint as checkpoint_dir
+from models_and_data import BlockMLP
 from test_reliability import torchrun_worker, wait_for
 from test_step_checkpoints import epoch_batches
-from ddp_common.models import BlockMLP
 
 FLAGS = ("--save_every", "2", "--batch_size", "256")  # 4 steps an epoch at 2 ranks: FSDP on a CPU is slow per step
 EPOCHS = 4

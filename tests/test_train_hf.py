@@ -1,6 +1,7 @@
 """train.py (the Hugging Face Trainer script) under python, torchrun and mpirun, on real MNIST digits."""
 import json
 import math
+import re
 import time
 
 import numpy as np
@@ -9,11 +10,9 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from safetensors.torch import load_file
 from conftest import (MNIST, assert_bitwise_equal, assert_one_line_error, clean_env, free_port, load_snapshot, mpi_env,
-                      mpirun_cmd, python_cmd, run, summary, torchrun_cmd)
-
-from ddp_common.errors import UsageError
-from ddp_common.mnist import collate, load_mnist, load_mnist_splits, read_idx, write_idx
-from ddp_common.models import SimpleCNN
+                      mpirun_cmd, python_cmd, run, summary, torchrun_cmd, write_idx)
+from models_and_data import load_mnist, read_idx
+from train import SimpleCNN, collate, load_splits
 
 TINY = ("--max_train_samples", "512", "--max_eval_samples", "256", "--num_train_epochs", "1", "--disable_tqdm", "True")
 # One thread per process: on a shared 2-core machine two threads per process run several times slower.
@@ -34,7 +33,7 @@ def accuracy_of_saved_model(output_dir, mnist_dir, count):
     """Accuracy of the model.safetensors in output_dir on the first `count` eval images, recomputed here."""
     model = SimpleCNN()
     model.load_state_dict(load_file(output_dir / "model.safetensors"))
-    splits, _ = load_mnist_splits(str(mnist_dir))
+    splits, _ = load_splits(str(mnist_dir))
     batch = collate([splits["test"][i] for i in range(count)])
     with torch.no_grad():
         predicted = model(batch["image"])["logits"].argmax(-1)
@@ -44,13 +43,13 @@ def accuracy_of_saved_model(output_dir, mnist_dir, count):
 def test_idx_reader_on_the_real_test_set():
     images = read_idx(str(MNIST / "t10k-images-idx3-ubyte.gz"))
     labels = read_idx(str(MNIST / "t10k-labels-idx1-ubyte.gz"))
-    assert images.shape == (10000, 28, 28) and images.dtype == np.uint8
+    assert images.shape == (10000, 28, 28) and images.dtype == torch.uint8
     assert (images.min(), images.max()) == (0, 255)
-    assert np.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    assert torch.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
 
 def test_collate_normalises_real_digits_to_mean_0_and_std_1(mnist_dir):
-    splits, note = load_mnist_splits(str(mnist_dir))
+    splits, note = load_splits(str(mnist_dir))
     assert note is None, "four files: the split they hold, nothing said"
     assert (len(splits["train"]), len(splits["test"])) == (8000, 2000)
     batch = collate([splits["test"][i] for i in range(2000)])
@@ -59,7 +58,7 @@ def test_collate_normalises_real_digits_to_mean_0_and_std_1(mnist_dir):
     # The constants are the training set's; on 2,000 other real digits the pixels come out centred and scaled.
     assert abs(batch["image"].mean().item()) < 0.05 and abs(batch["image"].std().item() - 1) < 0.05
     # The same digits as the IDX file, in the same order: a pixel's rank order survives normalisation.
-    assert torch.equal(batch["image"][:, 0].argsort(dim=-1), torch.from_numpy(images.copy()).float().argsort(dim=-1))
+    assert torch.equal(batch["image"][:, 0].argsort(dim=-1), images.float().argsort(dim=-1))
     assert batch["labels"].dtype == torch.int64 and batch["labels"].tolist() == labels.tolist()
 
 
@@ -119,11 +118,11 @@ def test_mpirun_two_ranks_on_a_saved_dataset(one_epoch_run, mnist_dir, tmp_path)
     splits, originals = DatasetDict(), {}
     for name, count in (("train", 512), ("test", 256)):
         images, labels = load_mnist(str(mnist_dir), name)
-        originals[name] = images[:count]
-        splits[name] = Dataset.from_dict({"image": list(images[:count]), "label": labels[:count]}, features=features)
+        originals[name] = images[:count].numpy()
+        splits[name] = Dataset.from_dict({"image": list(originals[name]), "label": labels[:count]}, features=features)
     splits.save_to_disk(str(tmp_path / "saved"))
     # What train.py reads back from disk is every digit as it was, pixel for pixel.
-    loaded, _ = load_mnist_splits(str(tmp_path / "saved"))
+    loaded, _ = load_splits(str(tmp_path / "saved"))
     for name, images in originals.items():
         assert np.array_equal(np.stack([row["image"] for row in loaded[name]]).reshape(images.shape), images), name
 
@@ -166,7 +165,7 @@ def test_no_data_without_a_network_says_how_to_get_it(tmp_path, offline):
         env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
     start = time.perf_counter()
     result = run(python_cmd("train.py", "--output_dir", tmp_path / "out"), cwd=tmp_path, env=env, check=False)
-    assert_one_line_error(result, "ylecun/mnist", "--data_dir", "save_to_disk")
+    assert_one_line_error(result, "ylecun/mnist", "--data_dir", "save_to_disk", code=1)
     print(f"failed in {time.perf_counter() - start:.1f}s: {result.stderr.strip()}")
 
 
@@ -181,20 +180,23 @@ def test_a_missing_file_is_one_line_naming_it(mnist_dir, tmp_path, missing):
             (data / path.name).write_bytes(path.read_bytes())
     result = run(python_cmd("train.py", "--data_dir", data, "--output_dir", tmp_path / "out"), cwd=tmp_path,
                  check=False)
-    assert_one_line_error(result, f"error: MNIST file {missing}[.gz] not found in {data} or {data}/MNIST/raw; put the "
-                                  "IDX files there")
+    assert_one_line_error(result, f"MNIST file {missing}[.gz] not found in {data} or {data}/MNIST/raw", "--data_dir",
+                          code=1)
 
 
 def test_bad_magic_and_count_mismatch_name_the_file(mnist_dir, tmp_path):
+    """Stopped in one line (SystemExit's message) naming the folder or file, before any process group."""
     for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz"):
         (tmp_path / name).write_bytes((mnist_dir / name).read_bytes())
     write_idx(str(tmp_path / "t10k-labels-idx1-ubyte.gz"), read_idx(str(mnist_dir / "t10k-labels-idx1-ubyte.gz"))[:-1])
-    with pytest.raises(UsageError, match=r"t10k-labels-idx1-ubyte.gz has 1999 labels for the 2000 images"):
-        load_mnist_splits(str(tmp_path))
+    folder = re.escape(str(tmp_path))
+    with pytest.raises(SystemExit, match=rf"^error: cannot load {folder} \(the test files in {folder} hold "
+                                         r"\(2000, 28, 28\) images and \(1999,\) labels: they do not belong together\)"):
+        load_splits(str(tmp_path))
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x07\x01" + bytes(100))
-    with pytest.raises(UsageError, match=r"t10k-labels-idx1-ubyte is not an IDX file \(bad magic number 00000701\)"):
-        load_mnist_splits(str(tmp_path))
+    with pytest.raises(SystemExit, match=r"t10k-labels-idx1-ubyte is not an IDX file of bytes \(magic number 00000701\)"):
+        load_splits(str(tmp_path))
 
 
 @pytest.mark.slow

@@ -142,12 +142,13 @@ def mnist_splits(data_dir):
     """(train, held out, note) as (images, labels) pairs: the official split when data_dir holds all four files;
     with the two t10k files alone (this repository's data/mnist), the test set in a fixed order (seed 0) cut into
     8,000 images to train on and 2,000 to evaluate on, and a note that says so (None otherwise)."""
-    try:
-        mnist_file(data_dir, MNIST_FILES["train"][0])
-        return load_mnist(data_dir, "train"), load_mnist(data_dir, "test"), None
-    except FileNotFoundError as error:
-        if MNIST_FILES["train"][0] not in str(error):  # the training images are there, something else is not
-            raise
+    for name in MNIST_FILES["train"]:  # either training file there: both must be (load_mnist names a missing one)
+        try:
+            mnist_file(data_dir, name)
+            return load_mnist(data_dir, "train"), load_mnist(data_dir, "test"), None
+        except FileNotFoundError as error:
+            if name not in str(error):
+                raise
     images, labels = load_mnist(data_dir, "test")
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
     train, held_out = order[:8000], order[8000:]

@@ -20,7 +20,7 @@ LESSON_PACKAGES = {
     "fault_tolerant.py": {"torchft"},
 }
 SIBLINGS = {"fsdp.py": {"models_and_data", "fsdp_checkpoint"}}
-REPOSITORY_PACKAGES = ("ddp_common", "diagnose", "benchmarks", "models_and_data", "fsdp_checkpoint")
+REPOSITORY_PACKAGES = ("diagnose", "benchmarks", "models_and_data", "fsdp_checkpoint")
 
 
 def examples():

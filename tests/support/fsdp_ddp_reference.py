@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddp_common.data import regression_dataset  # noqa: E402
-from ddp_common.models import BlockMLP  # noqa: E402
+from models_and_data import BlockMLP, regression_dataset  # noqa: E402
 
 
 def main(out, epochs, batch_size, seed=0):

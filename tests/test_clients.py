@@ -1,0 +1,65 @@
+"""The examples under the launch clients users already drive, each the real client in a subprocess: accelerate's
+`accelerate launch`, `python -m torch.distributed.run` and `python -m torch.distributed.launch --use-env`. Every
+rank takes part (the job's world size is the processes started) and a second launch resumes from the first's
+snapshot.
+"""
+import json
+import sys
+
+import pytest
+
+from conftest import BIN, MNIST, clean_env, epoch_lines, free_port, run, summary
+from conftest import REPO
+
+ENV = clean_env(OMP_NUM_THREADS=1)  # as torchrun sets it for 2 processes a machine
+
+
+def accelerate(script, *args):
+    # --multi_gpu with --num_processes 2 is accelerate's DDP launch; on CPUs it starts 2 gloo processes too.
+    return [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+            REPO / script, *args]
+
+
+def torch_distributed(module, script, *args):
+    extra = ("--use-env",) if module == "launch" else ()
+    return [sys.executable, "-m", f"torch.distributed.{module}", *extra, "--standalone", "--nproc_per_node=2",
+            REPO / script, *args]
+
+
+CLIENTS = {
+    "accelerate": accelerate,
+    "torch.distributed.run": lambda script, *args: torch_distributed("run", script, *args),
+    "torch.distributed.launch": lambda script, *args: torch_distributed("launch", script, *args),
+}
+# script: (first launch's arguments, the second's, the epochs of each)
+SCRIPTS = {
+    "multigpu_torchrun.py": (("2", "1"), ("4", "1")),
+    "multinode.py": (("2", "1"), ("4", "1")),
+    "by_feature/gradient_accumulation.py": (("--input_size", "20", "--epochs", "2"),
+                                            ("--input_size", "20", "--epochs", "4")),
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("client", CLIENTS)
+def test_an_example_trains_on_every_rank_and_resumes_under_the_client(tmp_path, client, script):
+    first, second = SCRIPTS[script]
+    out = run(CLIENTS[client](script, *first), cwd=tmp_path, env=ENV, timeout=180).stdout
+    assert summary(out).world_size == 2 and [line.epoch for line in epoch_lines(out)] == [0, 1], out[-3000:]
+    out = run(CLIENTS[client](script, *second), cwd=tmp_path, env=ENV, timeout=180).stdout
+    assert "Resuming from" in out and [line.epoch for line in epoch_lines(out)] == [2, 3], out[-3000:]
+    assert summary(out).world_size == 2, out[-3000:]
+
+
+def test_train_py_trains_on_both_ranks_and_resumes_under_accelerate(tmp_path):
+    out_dir = tmp_path / "out"
+    common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples",
+              "128", "--disable_tqdm", "True")
+    out = run(accelerate("train.py", *common, "--num_train_epochs", "1"), cwd=tmp_path, env=ENV, timeout=300).stdout
+    assert summary(out).world_size == 2, out[-3000:]
+    steps = json.loads((out_dir / "trainer_state.json").read_text())["global_step"]
+    out = run(accelerate("train.py", *common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last"),
+              cwd=tmp_path, env=ENV, timeout=300).stdout
+    assert f"resuming from {out_dir / f'checkpoint-{steps}'}" in out, out[-3000:]
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 2 * steps

@@ -217,7 +217,9 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
     `python -m diagnose`, which ties a worker's life to its agent's (the script does not)."""
     probes, port = tmp_path / "probe", free_port()
     probes.mkdir()
-    env = {**ELASTIC, "DDP_EXAMPLES_PROBE_SAMPLES": str(probes), "PYTHONPATH": str(REPO)}
+    # 10 ms a step: node 0 alone must still be training when the test stops it (it would finish in a second).
+    env = {**ELASTIC, "DDP_EXAMPLES_PROBE_SAMPLES": str(probes), "DDP_EXAMPLES_PROBE_STEP_DELAY": "0.01",
+           "PYTHONPATH": str(REPO)}
 
     def agent(job):  # the torchrun that diagnose started
         wait_for(lambda: children(job.pid) or job.poll() is not None, 60, "torchrun under diagnose")

@@ -21,6 +21,8 @@ On request, through the environment:
   first {"start": time, "rank": R, "world_size": W}, then {"iter": N} when a DataLoader starts its N-th pass (an epoch, or what is left of one), {"batch": [indices]}
   for every batch a DataLoader fetches, {"step": N} after every optimizer step (N counted in this process), so
   that a test can count which samples each step trained on, and how many steps a killed process finished.
+  With DDP_EXAMPLES_PROBE_STEP_DELAY=S, each optimizer step also sleeps S seconds: the pace of a larger model, so
+  that a test can act between two steps of a script that would otherwise finish in a blink.
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -30,6 +32,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
 
 MARKER = "ddp-examples-probe: the process group outlived destroy_process_group"
 COLLECTIVES = "ddp-examples-count:"
@@ -147,6 +150,7 @@ def patch_steps(module):
         if type(optimizer).__name__ != "ZeroRedundancyOptimizer":  # its local optimizer's step counts
             steps[0] += 1
             event({"step": steps[0]})
+            time.sleep(float(os.environ.get("DDP_EXAMPLES_PROBE_STEP_DELAY", "0")))
 
     module.register_optimizer_step_post_hook(count)
 

@@ -4,7 +4,8 @@
 
 Each job is `torchrun --standalone --nproc_per_node=2 --max_restarts=3` on a worker that forms its group,
 all-reduces once, and, in each of the first 3 attempts, has rank 1 exit at once (as a crash does, leaving the
-group's keys behind). A job that ends 0 used its restarts; one that ends 1 burned them all. Three ways:
+group's keys behind). A job that ends 0 used its restarts; one that ends 1 burned them all; one still running
+after --job_timeout seconds hangs (it is killed). Three ways:
 - plain: init_process_group() on torchrun's own store (what most examples do);
 - group store: the store of the group's own that the torchrun examples here make;
 - env: plain, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 given to torchrun.
@@ -12,6 +13,7 @@ group's keys behind). A job that ends 0 used its restarts; one that ends 1 burne
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,18 +44,26 @@ dist.destroy_process_group()
 '''
 
 
-def job(worker, way):
+def job(worker, way, timeout):
+    """("finished" | "burned" | "hung", seconds) of one job."""
     env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1") if way == "env" else clean_env()
     started = time.perf_counter()
-    result = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max_restarts=3",
-                             worker, "group_store" if way == "group_store" else "plain"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    return result.returncode, time.perf_counter() - started
+    process = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max_restarts=3",
+                                worker, "group_store" if way == "group_store" else "plain"], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers: one session
+        process.wait()
+        return "hung", time.perf_counter() - started
+    return ("finished" if code == 0 else "burned"), time.perf_counter() - started
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=10, help="jobs each way (default 10)")
+    parser.add_argument("--job_timeout", type=float, default=90, help="seconds before a job counts as hung")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON")
     args = parser.parse_args()
     if args.jobs < 1:
@@ -63,12 +73,11 @@ def main():
         worker = os.path.join(tmp, "worker.py")
         Path(worker).write_text(WORKER.format(repo=str(REPO)))
         for way in ("plain", "group_store", "env"):
-            runs = [job(worker, way) for _ in range(args.jobs)]
-            burned = sum(code != 0 for code, _ in runs)
-            results[way] = {"jobs": args.jobs, "burned_all_restarts": burned,
-                            "median_s": sorted(s for _, s in runs)[len(runs) // 2]}
-            print(f"{way:12} | {args.jobs} jobs | {burned} burned all 3 restarts | median "
-                  f"{results[way]['median_s']:.1f} s a job", flush=True)
+            runs = [job(worker, way, args.job_timeout) for _ in range(args.jobs)]
+            counts = {end: sum(e == end for e, _ in runs) for end in ("finished", "burned", "hung")}
+            results[way] = {"jobs": args.jobs, **counts, "median_s": sorted(s for _, s in runs)[len(runs) // 2]}
+            print(f"{way:12} | {args.jobs} jobs | {counts['finished']} finished | {counts['burned']} burned all 3 "
+                  f"restarts | {counts['hung']} hung | median {results[way]['median_s']:.1f} s a job", flush=True)
     print(f"Wrote {report.write_json(args.out / 'restart_store.json', {'benchmark': 'restart_store', 'machine': report.machine(), 'results': results})}")
 
 

@@ -142,3 +142,16 @@ def test_diagnose_cost_pairs_each_job_with_and_without_the_prefix(tmp_path):
         (without, with_tool), = row["pairs"]
         assert without > 0 and with_tool > 0
         assert row["ratio_median"] == pytest.approx(with_tool / without)
+
+
+@pytest.mark.slow
+def test_restart_store_counts_each_way_and_the_group_store_uses_its_restarts(tmp_path):
+    """One job each way: the counts add up, and with the group's own store (what the torchrun examples do) or
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the job gets through its 3 restarts (plain may or may not)."""
+    run([sys.executable, REPO / "benchmarks" / "restart_store.py", "--jobs", "1", "--job_timeout", "40", "--out",
+         tmp_path], cwd=REPO, timeout=300)
+    results = json.loads((tmp_path / "restart_store.json").read_text())["results"]
+    assert set(results) == {"plain", "group_store", "env"}
+    for way in results.values():
+        assert way["finished"] + way["burned"] + way["hung"] == 1
+    assert results["group_store"]["finished"] == 1 and results["env"]["finished"] == 1, results

@@ -54,8 +54,13 @@ def job(worker, way, timeout):
     try:
         code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers: one session
-        process.wait()
+        # SIGTERM to torchrun: it stops its workers, which run in sessions of their own, then exits.
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
         return "hung", time.perf_counter() - started
     return ("finished" if code == 0 else "burned"), time.perf_counter() - started
 

@@ -47,20 +47,23 @@ dist.destroy_process_group()
 def job(worker, way, timeout):
     """("finished" | "burned" | "hung", seconds) of one job."""
     env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1") if way == "env" else clean_env()
+    env["RESTART_STORE_JOB"] = mark = f"{os.getpid()}-{time.monotonic_ns()}"  # finds the job's workers later
     started = time.perf_counter()
     process = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max_restarts=3",
                                 worker, "group_store" if way == "group_store" else "plain"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # SIGTERM to torchrun: it stops its workers, which run in sessions of their own, then exits.
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        # torchrun's workers run in sessions of their own: each process of the job is found by its mark.
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"RESTART_STORE_JOB={mark}".encode() in f.read().split(b"\0"):
+                        os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone already, or not ours
+                pass
+        process.wait()
         return "hung", time.perf_counter() - started
     return ("finished" if code == 0 else "burned"), time.perf_counter() - started
 

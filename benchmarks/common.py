@@ -1,16 +1,17 @@
 """What the benchmarks share besides launches.py and report.py: their flags' types, the entry point that turns a
-usage error into one line (exit 2), the backend check, free ports, a store of each group's own under torchrun,
+usage error into one line (exit 2), the backend check, free ports, the tutorial's group_store (imported),
 and the environment torchrun would set, made from MPI for a run under mpirun (allreduce.py).
 """
 import argparse
 import os
 import socket
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from multigpu_torchrun import group_store  # noqa: F401  the tutorial's own: a store of each group's own under torchrun
 
 BACKENDS = ("nccl", "gloo", "mpi")
 # Each MPI implementation names the rank within the node, and its launch, differently.
@@ -113,29 +114,6 @@ def free_port(host="127.0.0.1"):
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def group_store(rank, world_size, timeout):
-    """A store of this group's own under torchrun. Its own outlives a restart with the dead group's keys, and a
-    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too).
-    Rank 0 posts a fresh store's port in torchrun's; where nothing answers, the post is the dead group's."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    host = os.environ["MASTER_ADDR"]
-    torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:
-        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        torchrun_store.set("group_store_port", str(store.port))
-        return store
-    deadline = time.monotonic() + timeout.total_seconds()
-    while time.monotonic() < deadline:
-        port = int(torchrun_store.get("group_store_port"))
-        try:
-            socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
-            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        except OSError:
-            time.sleep(0.1)
-    sys.exit(f"error: rank 0 opened no store for this group within --timeout {timeout.total_seconds():g}s")
 
 
 def launched_by_mpirun():

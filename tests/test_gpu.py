@@ -65,6 +65,27 @@ def test_linear_classifier_with_nccl_and_amp(tmp_path, world_size):
     assert summary(out).backend == "nccl"
 
 
+RESUMED = ["fsdp.py", *(f"by_feature/{name}" for name in ("comm_hooks.py", "exact_evaluation.py",
+           "gradient_accumulation.py", "mixed_precision.py", "powersgd_with_zero.py", "step_checkpoints.py",
+           "uneven_inputs.py", "zero_optimizer.py"))]
+
+
+@pytest.mark.parametrize("script", RESUMED)
+def test_trains_and_resumes_on_the_gpu(tmp_path, script):
+    """A snapshot written from the GPU (PowerSGD's error feedback, ZeRO's shards, FSDP's DTensors) loads back onto it
+    and training goes on where it stopped."""
+    args = ["--batch_size", "256"] if script == "fsdp.py" else ["--input_size", "20"]
+    if "powersgd" in script or "comm_hooks" in script:
+        args += ["--comm_hook", "powersgd"]
+    first = run(torchrun_cmd(script, *args, "--total_epochs", "2", nproc=1), cwd=tmp_path).stdout
+    assert_trained_on_nccl(first, 1)
+    second = run(torchrun_cmd(script, *args, "--total_epochs", "4", nproc=1), cwd=tmp_path).stdout
+    assert re.search(r"Resuming from \S+ at epoch 2", second), second[-3000:]
+    assert summary(second).backend == "nccl"
+    resumed = epoch_losses(second)
+    assert len(resumed) == 2 and resumed[-1] < epoch_losses(first)[0], (first[-2000:], second[-2000:])
+
+
 def test_ddp_py_compares_dataparallel_with_ddp(tmp_path):
     out = run(python_cmd("ddp.py", "--total_epochs", "3"), cwd=tmp_path).stdout
     assert summary(out).backend == "nccl"

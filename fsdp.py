@@ -217,7 +217,7 @@ def main(args):
         dist.destroy_process_group()
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
     parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
@@ -234,7 +234,7 @@ def parse_args():
     parser.add_argument("--save_every_steps", type=int, help="also a checkpoint every N steps, mid-epoch")
     parser.add_argument("--global_batch_size", type=int, help="samples per step over all ranks (default: --batch_size "
                         "times the world size); keep it when resuming at another world size")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
     args.save_every = args.every_arg if args.save_every is None else args.save_every
     if min(args.total_epochs, args.save_every, args.batch_size, args.timeout) <= 0:

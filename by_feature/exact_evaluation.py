@@ -250,7 +250,7 @@ def positive_int(text):
     return value
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=5, help="epochs in all (default 5)")
     parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between snapshots (default 1)")
@@ -263,7 +263,7 @@ def parse_args():
     parser.add_argument("--input_size", type=positive_int, default=100, help="features per sample (default 100)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
     parser.add_argument("--evaluate", action="store_true", help="only evaluate the snapshot's model, then exit")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.evaluate and not os.path.exists(args.snapshot_path):
         parser.error(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first or pass --snapshot_path")
     if min(args.timeout, args.lr) <= 0:

@@ -233,7 +233,7 @@ def positive_int(text):
     return value
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=5, help="epochs in all (default 5)")
     parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between snapshots (default 1)")
@@ -247,7 +247,7 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
     parser.add_argument("--accumulation_steps", type=positive_int, default=4,
                         help="micro-batches whose gradients add up before one all-reduce and optimizer step (default 4)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if min(args.timeout, args.lr) <= 0:
         parser.error("--timeout and --lr must be positive")
     if "RANK" not in os.environ:

@@ -234,7 +234,7 @@ def positive_int(text):
     return value
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=5, help="epochs in all (default 5)")
     parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between snapshots (default 1)")
@@ -246,7 +246,7 @@ def parse_args():
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
     parser.add_argument("--input_size", type=positive_int, default=100, help="features per sample (default 100)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if min(args.timeout, args.lr) <= 0:
         parser.error("--timeout and --lr must be positive")
     if "RANK" not in os.environ:

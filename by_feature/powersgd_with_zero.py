@@ -269,7 +269,7 @@ def positive_int(text):
     return value
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=5, help="epochs in all (default 5)")
     parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between snapshots (default 1)")
@@ -286,7 +286,7 @@ def parse_args():
     parser.add_argument("--powersgd_rank", type=positive_int, default=1, help="rank of PowerSGD's factors (default 1)")
     parser.add_argument("--powersgd_warmup", type=positive_int, default=10,
                         help="plain all-reduce steps before PowerSGD compresses, at least 2 (default 10)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.comm_hook == "powersgd" and args.powersgd_warmup < 2:
         parser.error(f"--powersgd_warmup {args.powersgd_warmup}: PowerSGD needs at least 2 plain steps first")
     if min(args.timeout, args.lr) <= 0:

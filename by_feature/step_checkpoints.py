@@ -291,7 +291,7 @@ def positive_int(text):
     return value
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=5, help="epochs in all (default 5)")
     parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between snapshots (default 1)")
@@ -310,7 +310,7 @@ def parse_args():
     parser.add_argument("--global_batch_size", type=positive_int,
                         help="samples per step over all ranks (default: --batch_size times the world size); keep "
                              "it to resume at another world size as the run would have trained")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if min(args.timeout, args.lr) <= 0:
         parser.error("--timeout and --lr must be positive")
     if "RANK" not in os.environ:

@@ -174,7 +174,7 @@ def spawn(args):
                  f"{error}; mp.spawn stopped the others. Start again to resume from the last snapshot")
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
     parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
@@ -186,7 +186,7 @@ def parse_args():
     parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
     parser.add_argument("--world_size", type=int, help="processes to start (default: one per GPU, or 2 on the CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
     args.save_every = args.every_arg if args.save_every is None else args.save_every
     if min(args.total_epochs, args.save_every, args.batch_size, args.timeout) <= 0:

@@ -129,7 +129,7 @@ def main(args):
     trainer.train(args.total_epochs)
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
     parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
@@ -138,7 +138,7 @@ def parse_args():
     parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
     parser.add_argument("--snapshot_path", default="singlegpu.pt", help="resume from and save to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
     args.save_every = args.every_arg if args.save_every is None else args.save_every
     if min(args.total_epochs, args.save_every, args.batch_size) <= 0:

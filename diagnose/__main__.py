@@ -8,6 +8,7 @@ import sys
 import tempfile
 
 import diagnose
+from diagnose import address
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 
@@ -40,10 +41,21 @@ def main(argv=None):
     if shutil.which(args.command[0]) is None:
         print(f"python -m diagnose: error: {args.command[0]}: command not found", file=sys.stderr)
         return 127
+    line = address.check_command(args.command, os.environ)
+    if line:  # the job could only wait out its rendezvous timeout: say it now, start nothing
+        print(line, file=sys.stderr)
+        return 1
     folder = tempfile.mkdtemp(prefix="diagnose-")
     env = dict(os.environ, DIAGNOSE_TIMEOUT=str(args.timeout), DIAGNOSE_DIR=folder,
                DIAGNOSE_KEEP_WAITING="1" if args.keep_waiting else "0",
                PYTHONPATH=os.pathsep.join(filter(None, [SITE, os.environ.get("PYTHONPATH")])))
+    nnodes = address.elastic(args.command)
+    if nnodes and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        # torch 2.13: with the agents' store shared with the workers, a node that joins later deadlocks every agent
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        print(f"diagnose: an elastic job (--nnodes={nnodes}): TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set for it, or a "
+              "node that joins later would deadlock torchrun's shared store; start every node under the tool, or set "
+              "it there (docs/elastic.md)", file=sys.stderr)
     job = subprocess.Popen(args.command, env=env)
 
     def forward(signum, frame):

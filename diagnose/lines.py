@@ -264,14 +264,17 @@ def store_lost(me, reason):
             f"the other ranks could not be asked; see {DOCS}")
 
 
+def port_in_use(port, flag="--master_port / MASTER_PORT"):
+    return (f"diagnose: port {port} is already in use on this host (another job, or an earlier run still holding "
+            f"it): pass another {flag}, or --rdzv_endpoint=HOST:0 under torchrun --standalone")
+
+
 def startup_cause(error):
     """One line for the start-up failures people ask about most, or None."""
     text = " ".join(str(error).split())
     port = re.search(r"port: (\d+)", text)
     if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return (f"diagnose: port {port[1] if port else '(MASTER_PORT)'} is already in use on this host (another "
-                "job, or an earlier run still holding it): pass another --master_port / MASTER_PORT, or "
-                "--rdzv_endpoint=HOST:0 under torchrun --standalone")
+        return port_in_use(port[1] if port else "(MASTER_PORT)")
     loopback = re.search(r"remote=\[(127\.\d+\.\d+\.\d+)\]", text)
     if loopback and ("connectFullMesh" in text or "failed to connect" in text):
         return (f"diagnose: another node advertised {loopback[1]}, a loopback address, so this one cannot reach it: "

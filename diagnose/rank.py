@@ -39,7 +39,7 @@ import time
 import traceback
 from datetime import timedelta
 
-from diagnose import lines
+from diagnose import address, lines
 
 POLL_S = 0.5  # how often the watchdog looks at the groups' counts, and whether another rank asks
 LEAVE_S = 2.0  # the longest a rank that ends waits for the others to end too (see _leave)
@@ -116,7 +116,14 @@ def _patch_c10d(c10d):
     init = c10d.init_process_group
 
     def init_process_group(*args, **kwargs):
-        timer = threading.Timer(timeout_s(), _init_waits_too_long, (kwargs.get("init_method"),))
+        init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+        if kwargs.get("store") is None:  # a name that does not resolve: torch would retry it until the timeout
+            line = address.check_rank(init_method, os.environ)
+            if line:
+                if _claim("address"):
+                    _say(line)
+                _exit()
+        timer = threading.Timer(timeout_s(), _init_waits_too_long, (init_method,))
         timer.daemon = True
         timer.start()
         try:

@@ -401,3 +401,64 @@ def finish_quietly(process, timeout):
         kill_launched()
         pytest.fail(f"{process.args} still running after {timeout}s:\n{process.communicate()[0][-3000:]}")
     return out
+
+
+BAD_HOST = "no-such-host.invalid"  # .invalid never resolves (RFC 6761)
+
+
+def rendezvous_at(client, script, host, port):
+    """A launch by `client` whose rendezvous is at host:port, on this one node."""
+    static = ["--nnodes=1", "--nproc_per_node=2", f"--master_addr={host}", f"--master_port={port}", script]
+    return {
+        "torchrun": [BIN / "torchrun", *static],
+        "torchrun c10d": [BIN / "torchrun", "--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=c10d",
+                          f"--rdzv_endpoint={host}:{port}", script],
+        "torch.distributed.run": [sys.executable, "-m", "torch.distributed.run", *static],
+        "torch.distributed.launch": [sys.executable, "-m", "torch.distributed.launch", "--use-env", *static],
+        # On one machine accelerate listens on 127.0.0.1 whatever --main_process_ip says: name two machines.
+        "accelerate": [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+                       "1" if host == "127.0.0.1" else "2", "--machine_rank", "0", "--main_process_ip", host,
+                       "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", script],
+        "mpirun": [BIN / "mpirun", "-np", "2", "--bind-to", "none", "-x", f"MASTER_ADDR={host}", sys.executable,
+                   script],
+        "mp.spawn": [sys.executable, script],  # MASTER_ADDR from the environment
+    }[client]
+
+
+@pytest.mark.parametrize("client", ["torchrun", "torchrun c10d", "torch.distributed.run", "torch.distributed.launch",
+                                    "accelerate", "mpirun", "mp.spawn"])
+def test_a_rendezvous_host_that_does_not_resolve_is_one_line_at_once(tmp_path, client):
+    # Without the tool, torchrun's agent and init_process_group retry the name until their timeout (minutes).
+    env = (mpi_env if client == "mpirun" else clean_env)(PYTHONPATH=REPO, MASTER_ADDR=BAD_HOST,
+                                                          MASTER_PORT=free_port())
+    began = time.monotonic()
+    code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), BAD_HOST, free_port())), env,
+                        tmp_path)
+    line = the_line(lines)
+    assert code == 1 and f"rendezvous host '{BAD_HOST}'" in line and "does not resolve" in line, line
+    assert time.monotonic() - began < 20 and not any("done" in text for _, text in lines), lines
+
+
+@pytest.mark.parametrize("client", ["torchrun", "accelerate"])
+def test_a_rendezvous_port_in_use_is_one_line_at_once(tmp_path, client):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), "127.0.0.1", port)),
+                            clean_env(PYTHONPATH=REPO), tmp_path)
+    line = the_line(lines)
+    flag = "--main_process_port" if client == "accelerate" else "--master_port"
+    assert code == 1 and f"port {port} is already in use" in line and flag in line, line
+
+
+def test_a_host_the_script_itself_names_is_checked_in_the_rank(tmp_path):
+    script = tmp_path / "own_address.py"
+    script.write_text(f'import torch.distributed as dist\ndist.init_process_group("gloo", "tcp://{BAD_HOST}:'
+                      f'{free_port()}", rank=0, world_size=1)\n')
+    began = time.monotonic()
+    code, lines = watch(diagnose_cmd(sys.executable, script), clean_env(PYTHONPATH=REPO), tmp_path)
+    line = the_line(lines)
+    assert code == 1 and f"'{BAD_HOST}' (init_method) does not resolve" in line, line
+    assert time.monotonic() - began < 20

@@ -9,12 +9,13 @@ import os
 import shutil
 import signal
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import (BIN, REPO, assert_bitwise_equal, clean_env, epoch_lines, finish,
                       free_port, launched_pids, load_snapshot, start, summary)
-from test_reliability import torchrun_worker, wait_for
+from test_reliability import children, torchrun_worker, wait_for
 
 # What docs/elastic.md's commands set: torchrun's shared store deadlocks a node that joins later.
 ELASTIC = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
@@ -219,6 +220,36 @@ def test_the_documented_elastic_command_lets_a_node_join(tmp_path):
     release_when_stopped_by_torchrun(held)
     out0, out1 = finish(first, 300), finish(second, 60)
     assert [first.returncode, second.returncode] == [0, 0], (out0, out1)
+    both = out0 + out1
+    assert "World size 1 -> 2 at epoch" in both and summary(both).world_size == 2, both[-3000:]
+    assert load_snapshot(tmp_path / "node0.pt")["epochs_run"] == load_snapshot(tmp_path / "node1.pt")["epochs_run"] == 8
+
+
+@pytest.mark.slow
+def test_under_the_diagnosis_tool_a_node_joins_whichever_launcher_started_it(tmp_path):
+    """Without the variable, each node started through `python -m diagnose`: node 0 by `python -m
+    torch.distributed.launch --use-env`, node 1 by `python -m torch.distributed.run`. The tool sees the elastic
+    --nnodes, says so in one line and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: node 1 joins, both finish."""
+    port = free_port()
+    launchers = [(sys.executable, "-m", "torch.distributed.launch", "--use-env"),
+                 (sys.executable, "-m", "torch.distributed.run")]
+    env = clean_env(PYTHONPATH=REPO)  # the tool, from the test's folder
+
+    def node(number):
+        command = agent_cmd(number, port, "--total_epochs", "8", launcher=launchers[number])
+        return start([sys.executable, "-m", "diagnose", *map(str, command)], tmp_path, env)
+
+    tools = [node(0)]
+    wait_for(lambda: epochs_in(tmp_path / "node0.pt") >= 1 or tools[0].poll() is not None, 120, "node 0's snapshot")
+    agent = SimpleNamespace(pid=children(tools[0].pid)[0], poll=tools[0].poll)  # the tool's child is the agent
+    held = hold(agent, restart=0)
+    tools.append(node(1))
+    release_when_stopped_by_torchrun(held)
+    out0, out1 = finish(tools[0], 300), finish(tools[1], 60)
+    assert [tool.returncode for tool in tools] == [0, 0], (out0[-3000:], out1[-3000:])
+    for out in (out0, out1):
+        notes = [line for line in out.splitlines() if line.startswith("diagnose: ")]
+        assert len(notes) == 1 and "an elastic job (--nnodes=1:2): TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set" in notes[0]
     both = out0 + out1
     assert "World size 1 -> 2 at epoch" in both and summary(both).world_size == 2, both[-3000:]
     assert load_snapshot(tmp_path / "node0.pt")["epochs_run"] == load_snapshot(tmp_path / "node1.pt")["epochs_run"] == 8

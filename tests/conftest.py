@@ -1,5 +1,6 @@
 """Helpers for launching the real scripts under their real launchers, in subprocesses."""
 import os
+import random
 import re
 import signal
 import socket
@@ -19,23 +20,32 @@ from benchmarks.launches import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_
 from models_and_data import mnist_splits, read_idx  # noqa: E402,F401
 
 
-def any_free_port(host="127.0.0.1"):
-    """A port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def _ephemeral_low():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS's starts at 49152
 
 
 def free_port(host="127.0.0.1"):
-    """A port nobody listens on right now. Under pytest-xdist (-n N), each worker takes only ports whose number
-    is its index modulo N: a port one worker picked and released can be taken by another before it is bound,
-    but never by a port the other worker picked."""
+    """A port nobody listens on right now, below the ephemeral range: the OS gives none of those to a `bind(0)`
+    (torchrun --standalone, a script's own free port) or to an outgoing connection, so a port picked here and
+    released stays free until the test binds it. Under pytest-xdist (-n N), each worker takes only ports whose
+    number is its index modulo N: no other worker picks it."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    low = min(_ephemeral_low(), 32768)
     while True:
-        port = any_free_port(host)
-        if port % workers == index:
-            return port
+        port = random.randrange(low // 2, low)
+        if port % workers != index:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
 
 
 # The official MNIST test set's two IDX files, carried in the repository (data/mnist/README.md says where they

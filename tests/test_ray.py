@@ -1,0 +1,84 @@
+"""The examples under Ray Train (pinned in requirements-dev.txt): launch/ray_train.py calls each example's own
+main(args) in a TorchTrainer's workers, where Ray Train already started the process group. Every rank takes part
+and a second run resumes from the first's snapshot. Ray runs on 127.0.0.1 only (--local), as every test here
+binds only loopback, and the test checks that it did: Ray's node and the group's master address.
+
+Each run is its own driver process (the runner as users run it): ray.shutdown() at its end stops the Ray it
+started, and the fixture that checks for leftovers finds any of Ray's processes that outlive it. Never `ray
+stop`: it stops every Ray on the machine, other tests' too.
+"""
+import re
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+from conftest import REPO, clean_env, epoch_lines, run, summary
+
+RUNNER = (sys.executable, REPO / "launch" / "ray_train.py")
+# "(RayTrainWorker pid=123) Epoch 0 | ...": Ray's prefix (colored) on each line a worker prints.
+PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\([^)\n]*\)(?:\x1b\[0m)? ", re.MULTILINE)
+WORKER = re.compile(r"^Ray Train worker: rank (\d+) of (\d+) \| master (\S+):(\d+)$", re.MULTILINE)
+SCRIPTS = {  # script: (first run's arguments, the second's); each run's epochs are 0, 1, then 2, 3
+    "multigpu_torchrun.py": (("2", "1"), ("4", "1")),
+    "multinode.py": (("2", "1"), ("4", "1")),
+    "by_feature/gradient_accumulation.py": (("--input_size", "20", "--epochs", "2"),
+                                            ("--input_size", "20", "--epochs", "4")),
+}
+
+
+@pytest.fixture
+def ray_env():
+    # Ray's session folder holds Unix sockets, whose paths may not exceed 107 bytes: a short folder, not tmp_path.
+    # HOME too: Ray writes its auth token to ~/.ray and the run's records to ~/ray_results.
+    folder = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    yield clean_env(OMP_NUM_THREADS=1, RAY_TMPDIR=folder, HOME=folder, RAY_USAGE_STATS_ENABLED=0,
+                    RAY_DEDUP_LOGS=0)  # else Ray prints one of the ranks' lines that differ only in numbers
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def ray_train(script, args, env, cwd, timeout=300):
+    """The runner's stdout, each worker line without Ray's prefix; checks that Ray and the group ran on 127.0.0.1
+    with both ranks."""
+    out = PREFIX.sub("", run([*RUNNER, REPO / script, "--local", "--", *args], cwd=cwd, env=env, timeout=timeout).stdout)
+    assert re.search(r"^Ray nodes: 127\.0\.0\.1$", out, re.MULTILINE), out[-3000:]
+    workers = {(int(rank), int(size), addr) for rank, size, addr, _ in WORKER.findall(out)}
+    assert workers == {(0, 2, "127.0.0.1"), (1, 2, "127.0.0.1")}, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_example_trains_on_both_ranks_and_resumes_under_ray_train(tmp_path, ray_env, script):
+    snapshot = tmp_path / "snapshot.pt"  # absolute: Ray's workers run in its session folder
+    first, second = SCRIPTS[script]
+    out = ray_train(script, [*first, "--snapshot_path", snapshot], ray_env, tmp_path)
+    assert summary(out).world_size == 2 and [line.epoch for line in epoch_lines(out)] == [0, 1], out[-3000:]
+    out = ray_train(script, [*second, "--snapshot_path", snapshot], ray_env, tmp_path)
+    assert f"Resuming from {snapshot}" in out and [line.epoch for line in epoch_lines(out)] == [2, 3], out[-3000:]
+    assert summary(out).world_size == 2, out[-3000:]
+
+
+def last_line_error(result, *fragments):
+    assert result.returncode != 0, result.stdout[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(("error: ", "ray_train.py: error: ")), result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+@pytest.mark.slow
+def test_bad_input_to_the_runner_stops_it_with_one_line(tmp_path, ray_env):
+    result = run([*RUNNER, tmp_path / "nope.py", "--local"], cwd=tmp_path, env=ray_env, check=False, timeout=60)
+    last_line_error(result, "nope.py is not a Python file")
+    # More workers than this machine's CPUs: Ray would wait for them forever.
+    result = run([*RUNNER, REPO / "multinode.py", "--local", "--num_workers", "1000"], cwd=tmp_path, env=ray_env,
+                 check=False, timeout=120)
+    last_line_error(result, "--num_workers 1000, but this machine has")
+    # The example stops (sys.exit on every rank, before any collective): the runner says why in one line.
+    (tmp_path / "bad.pt").write_bytes(b"not a snapshot")
+    result = run([*RUNNER, REPO / "multigpu_torchrun.py", "--local", "--", "2", "1", "--snapshot_path",
+                  tmp_path / "bad.pt"], cwd=tmp_path, env=ray_env, check=False, timeout=300)
+    last_line_error(result, f"multigpu_torchrun.py failed on rank 0 under Ray Train: cannot read the snapshot "
+                            f"{tmp_path / 'bad.pt'}")

@@ -166,8 +166,11 @@ def start_process_group(flags):
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
     timeout = timedelta(seconds=flags["ddp_timeout"])
-    dist.init_process_group(backend, store=group_store(rank, world_size, timeout), rank=rank, world_size=world_size,
-                            timeout=timeout, device_id=device if accelerator else None)
+    if dist.is_initialized():  # a framework's group (Ray Train's): used, and left to it
+        backend = dist.get_backend()
+    else:
+        dist.init_process_group(backend, store=group_store(rank, world_size, timeout), rank=rank,
+                                world_size=world_size, timeout=timeout, device_id=device if accelerator else None)
     flags["ddp_backend"] = backend
     return backend
 
@@ -220,12 +223,12 @@ def check_weights_identical(model, rank_zero):
         print(f"weights identical on all {len(digests)} ranks (sha256 {digests[0][:12]})", flush=True)
 
 
-def main():
+def main(argv=None):
     if "RANK" not in os.environ and any(name in os.environ for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
         mpi_environment()  # mpirun started us: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI before anything reads them
     parser = HfArgumentParser((DataArguments, TrainingArguments))
     parser.set_defaults(**DEFAULTS)
-    flags = vars(parser.parse_args())
+    flags = vars(parser.parse_args(argv))
     for name in ("max_train_samples", "max_eval_samples", "ddp_timeout"):
         if flags[name] is not None and flags[name] <= 0:
             parser.error(f"--{name} must be positive, got {flags[name]}")
@@ -239,6 +242,7 @@ def main():
             os.remove(probe)
         except OSError as error:
             sys.exit(f"error: cannot write in --output_dir {flags['output_dir']}: {error.strerror}")
+    owns_group = not dist.is_initialized()
     backend = start_process_group(flags) if "WORLD_SIZE" in os.environ else None
     try:
         data_args, training_args = parser.parse_dict(flags)  # TrainingArguments now finds the process group
@@ -290,7 +294,8 @@ def main():
         trainer.accelerator.free_memory()
         trainer.model_wrapped = trainer.model
         gc.collect()
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

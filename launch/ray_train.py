@@ -26,7 +26,10 @@ def train_loop_per_worker(config):
     spec = importlib.util.spec_from_file_location("example", config["script"])
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    example.main(example.parse_args(config["argv"]))
+    if hasattr(example, "parse_args"):  # the torchrun examples: main(args)
+        example.main(example.parse_args(config["argv"]))
+    else:  # train.py parses its own
+        example.main(config["argv"])
 
 
 def main(argv):

@@ -28,7 +28,10 @@ def train(script, argv):
     sys.path.insert(0, os.path.dirname(script))
     example = importlib.import_module(os.path.basename(script).removesuffix(".py"))
     try:
-        example.main(example.parse_args(argv))
+        if hasattr(example, "parse_args"):  # the torchrun examples: main(args)
+            example.main(example.parse_args(argv))
+        else:  # train.py parses its own
+            example.main(argv)
     except SystemExit as stop:  # submitit records exceptions only: job.results() then says why
         if stop.code:  # sys.exit("error: ...") gives its line; argparse's exit 2 printed it to the task's .err
             raise RuntimeError(stop.code if isinstance(stop.code, str) else f"{script} exited {stop.code}") from None

@@ -52,14 +52,16 @@ def test_an_example_trains_on_every_rank_and_resumes_under_the_client(tmp_path, 
     assert summary(out).world_size == 2, out[-3000:]
 
 
-def test_train_py_trains_on_both_ranks_and_resumes_under_accelerate(tmp_path):
+@pytest.mark.parametrize("client", CLIENTS)
+def test_train_py_trains_on_both_ranks_and_resumes_under_the_client(tmp_path, client):
     out_dir = tmp_path / "out"
     common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples",
               "128", "--disable_tqdm", "True")
-    out = run(accelerate("train.py", *common, "--num_train_epochs", "1"), cwd=tmp_path, env=ENV, timeout=300).stdout
-    assert summary(out).world_size == 2, out[-3000:]
+    out = run(CLIENTS[client]("train.py", *common, "--num_train_epochs", "1"), cwd=tmp_path, env=ENV,
+              timeout=300).stdout
+    assert summary(out).world_size == 2 and "weights identical on all 2 ranks" in out, out[-3000:]
     steps = json.loads((out_dir / "trainer_state.json").read_text())["global_step"]
-    out = run(accelerate("train.py", *common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last"),
+    out = run(CLIENTS[client]("train.py", *common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last"),
               cwd=tmp_path, env=ENV, timeout=300).stdout
     assert f"resuming from {out_dir / f'checkpoint-{steps}'}" in out, out[-3000:]
     assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 2 * steps

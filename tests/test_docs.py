@@ -126,6 +126,10 @@ def test_every_documented_command_names_a_script_and_flags_that_exist(page, prog
                                                                        launcher_flags):
     assert (REPO / script).is_file(), f"{page_id(page)} names {script}, which does not exist"
     flags = accepted_flags(script)
+    if script.startswith("launch/"):  # a scheduler's runner: its own flags, and those of the example it runs
+        example = next(argument for argument in arguments if argument.endswith(".py"))
+        assert (REPO / example).is_file(), f"{page_id(page)} names {example}, which does not exist"
+        flags |= accepted_flags(example)
     for argument in arguments:
         if (match := FLAG.match(argument)) and argument not in ("--help",):
             assert match[0] in flags, f"{page_id(page)}: {script} has no flag {match[0]}"

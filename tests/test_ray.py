@@ -7,6 +7,7 @@ Each run is its own driver process (the runner as users run it): ray.shutdown() 
 started, and the fixture that checks for leftovers finds any of Ray's processes that outlive it. Never `ray
 stop`: it stops every Ray on the machine, other tests' too.
 """
+import json
 import re
 import shutil
 import sys
@@ -14,7 +15,7 @@ import tempfile
 
 import pytest
 
-from conftest import REPO, clean_env, epoch_lines, run, summary
+from conftest import MNIST, REPO, clean_env, epoch_lines, run, summary
 
 RUNNER = (sys.executable, REPO / "launch" / "ray_train.py")
 # "(RayTrainWorker pid=123) Epoch 0 | ...": Ray's prefix (colored) on each line a worker prints.
@@ -58,6 +59,20 @@ def test_an_example_trains_on_both_ranks_and_resumes_under_ray_train(tmp_path, r
     out = ray_train(script, [*second, "--snapshot_path", snapshot], ray_env, tmp_path)
     assert f"Resuming from {snapshot}" in out and [line.epoch for line in epoch_lines(out)] == [2, 3], out[-3000:]
     assert summary(out).world_size == 2, out[-3000:]
+
+
+@pytest.mark.slow
+def test_train_py_trains_on_both_ranks_and_resumes_under_ray_train(tmp_path, ray_env):
+    out_dir = tmp_path / "out"
+    common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples",
+              "128", "--disable_tqdm", "True")
+    out = ray_train("train.py", [*common, "--num_train_epochs", "1"], ray_env, tmp_path)
+    assert summary(out).world_size == 2 and "weights identical on all 2 ranks" in out, out[-3000:]
+    steps = json.loads((out_dir / "trainer_state.json").read_text())["global_step"]
+    out = ray_train("train.py", [*common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last"], ray_env,
+                    tmp_path)
+    assert f"resuming from {out_dir / f'checkpoint-{steps}'}" in out, out[-3000:]
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 2 * steps
 
 
 def last_line_error(result, *fragments):

@@ -3,6 +3,7 @@ launch/submitit_job.py submits, as a user would, from inside the cluster's netwo
 pickled function run each task, which calls the example's own main(). Every rank takes part (world size 2, and the
 probe's count of collectives on each rank) and a second submission resumes from the first's snapshot.
 """
+import json
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 import pytest
 
 import conftest
-from conftest import (REPO, assert_bitwise_equal, check_no_abort, collectives_issued, epoch_lines, free_port,
+from conftest import (MNIST, REPO, assert_bitwise_equal, check_no_abort, collectives_issued, epoch_lines, free_port,
                       load_snapshot, summary)
 from test_slurm import WHY_NOT, cluster, job_env, launched_on  # noqa: F401  cluster: the fixture, a cluster per module
 
@@ -24,8 +25,9 @@ TIMEOUT = MINUTES * 60 + 60
 
 
 def runner_argv(folder, nodes, tasks, script, *args):
+    timeout = ("--ddp_timeout",) if script == "train.py" else ("--timeout",)
     return [sys.executable, RUNNER, "--nodes", nodes, "--tasks_per_node", tasks, "--minutes", MINUTES,
-            "--folder", folder / "logs", REPO / script, *args, "--timeout", "120"]
+            "--folder", folder / "logs", REPO / script, *args, *timeout, "120"]
 
 
 def runner_env(**extra):
@@ -86,6 +88,19 @@ def test_one_node_two_tasks_train_on_both_ranks_and_a_resubmission_resumes(clust
                      env=runner_env(MASTER_PORT=free_port()))
     assert f"Resuming from {snapshot} at epoch 2" in logs, logs[-4000:]
     assert_every_rank_trained(logs, [2, 3])
+
+
+def test_train_py_trains_on_both_ranks_and_a_resubmission_resumes(cluster, tmp_path):
+    out_dir = tmp_path / "out"
+    common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples", "128",
+              "--disable_tqdm", "True")
+    _, logs = submit(cluster, tmp_path, 1, 2, "train.py", *common, "--num_train_epochs", "1")
+    assert summary(logs).world_size == 2 and "weights identical on all 2 ranks" in logs, logs[-4000:]
+    steps = json.loads((out_dir / "trainer_state.json").read_text())["global_step"]
+    _, logs = submit(cluster, tmp_path, 1, 2, "train.py", *common, "--num_train_epochs", "2",
+                     "--resume_from_checkpoint", "last")
+    assert f"resuming from {out_dir / f'checkpoint-{steps}'}" in logs, logs[-4000:]
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 2 * steps
 
 
 def test_two_nodes_share_one_snapshot_path_train_and_a_resubmission_resumes(cluster, tmp_path):

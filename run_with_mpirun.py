@@ -149,7 +149,15 @@ def main(args):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if accelerator else None)
     if args.train:
-        train(args, rank, device)
+        try:
+            train(args, rank, device)
+        except RuntimeError as error:
+            if "Connection" not in str(error):
+                raise
+            # A peer died mid-collective (mpirun is stopping this rank too). Leave now: Python's own exit would
+            # destroy gloo's threads still bound to the dead peer, and abort ("terminate called").
+            print(f"error: rank {rank} lost a peer: {str(error).splitlines()[0][-120:]}", file=sys.stderr, flush=True)
+            os._exit(1)
     else:
         host = socket.gethostname()
         say(f"{host}$Process {rank}: {rank} # {world_size}")

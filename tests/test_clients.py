@@ -32,7 +32,7 @@ CLIENTS = {
     "torch.distributed.run": lambda script, *args: torch_distributed("run", script, *args),
     "torch.distributed.launch": lambda script, *args: torch_distributed("launch", script, *args),
 }
-# script: (first launch's arguments, the second's, the epochs of each)
+# script: (first launch's arguments, the second's); test_submitit.py submits the same
 SCRIPTS = {
     "multigpu_torchrun.py": (("2", "1"), ("4", "1")),
     "multinode.py": (("2", "1"), ("4", "1")),

@@ -14,6 +14,7 @@ import pytest
 import conftest
 from conftest import (MNIST, REPO, assert_bitwise_equal, check_no_abort, collectives_issued, epoch_lines, free_port,
                       load_snapshot, summary)
+from test_clients import SCRIPTS  # script: (first submission's arguments, the second's)
 from test_slurm import WHY_NOT, cluster, job_env, launched_on  # noqa: F401  cluster: the fixture, a cluster per module
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
@@ -67,14 +68,6 @@ def assert_every_rank_trained(logs, epochs):
     issued = collectives_issued(logs)
     assert issued.keys() == {0, 1} and issued[0] == issued[1] > 0, logs[-4000:]
 
-
-# script: (first submission's arguments, the second's)
-SCRIPTS = {
-    "multigpu_torchrun.py": (("2", "1"), ("4", "1")),
-    "multinode.py": (("2", "1"), ("4", "1")),
-    "by_feature/gradient_accumulation.py": (("--input_size", "20", "--epochs", "2"),
-                                            ("--input_size", "20", "--epochs", "4")),
-}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

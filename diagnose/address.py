@@ -130,11 +130,18 @@ def check_command(command, env):
     return problem(*found) if found else None
 
 
+def rank_endpoint(init_method, env):
+    """'HOST:PORT' that a rank's init_process_group meets at: a tcp:// init_method's, else MASTER_ADDR:MASTER_PORT
+    ('?' for one unset)."""
+    if init_method and init_method.startswith("tcp://"):
+        return init_method[len("tcp://"):].split("?")[0]
+    return f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+
+
 def check_rank(init_method, env):
     """In a rank, before init_process_group: the host it is about to connect to (tcp:// or MASTER_ADDR)."""
-    if init_method and init_method.startswith("tcp://"):
-        host, _, port = init_method[len("tcp://"):].split("?")[0].rpartition(":")
-        return problem(host.strip("[]"), port, "init_method", False)
-    if (init_method in (None, "env://")) and env.get("MASTER_ADDR"):
-        return problem(env["MASTER_ADDR"], env.get("MASTER_PORT", "0"), "MASTER_ADDR", False)
-    return None
+    tcp = bool(init_method and init_method.startswith("tcp://"))
+    if not tcp and not (init_method in (None, "env://") and env.get("MASTER_ADDR")):
+        return None
+    host, _, port = rank_endpoint(init_method, env).rpartition(":")
+    return problem(host.strip("[]"), "0" if port == "?" else port, "init_method" if tcp else "MASTER_ADDR", False)

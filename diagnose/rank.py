@@ -39,7 +39,7 @@ import time
 import traceback
 from datetime import timedelta
 
-from diagnose import address, lines
+from diagnose import address as rendezvous, lines
 
 POLL_S = 0.5  # how often the watchdog looks at the groups' counts, and whether another rank asks
 LEAVE_S = 2.0  # the longest a rank that ends waits for the others to end too (see _leave)
@@ -118,7 +118,7 @@ def _patch_c10d(c10d):
     def init_process_group(*args, **kwargs):
         init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
         if kwargs.get("store") is None:  # a name that does not resolve: torch would retry it until the timeout
-            line = address.check_rank(init_method, os.environ)
+            line = rendezvous.check_rank(init_method, os.environ)
             if line:
                 if _claim("address"):
                     _say(line)
@@ -633,8 +633,7 @@ def _say(line):
 
 def _init_waits_too_long(init_method):
     """init_process_group has waited --timeout: for the rendezvous address to answer, or for the other ranks."""
-    address = init_method[len("tcp://"):] if init_method and init_method.startswith("tcp://") else \
-        f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    address = rendezvous.rank_endpoint(init_method, os.environ)
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=3):

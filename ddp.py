@@ -183,11 +183,30 @@ def ddp_worker(rank, world_size, backend, args, result_path):
     dist.destroy_process_group()
 
 
+def ddp_process(rank, *args):  # what mp.spawn runs in each process
+    try:
+        ddp_worker(rank, *args)
+    except (Exception, SystemExit) as error:
+        if not dist.is_initialized():  # no process group: Python's own exit is safe
+            raise
+        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
+        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, also to any hook a tool installed
+            sys.excepthook(*sys.exc_info())
+        sys.stdout.flush()
+        os._exit(1)
+
+
 def ddp_training(args, world_size, backend):
     with tempfile.TemporaryDirectory() as directory:
         result_path = os.path.join(directory, "ddp_result.pt")
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: else each process takes every core
-        mp.spawn(ddp_worker, args=(world_size, backend, args, result_path), nprocs=world_size)
+        try:
+            mp.spawn(ddp_process, args=(world_size, backend, args, result_path), nprocs=world_size)
+        except mp.ProcessExitedException as error:  # one ended early (it said why, or a signal killed it)
+            sys.exit(error.exit_code if error.exit_code > 0 else f"{error}; mp.spawn stopped the others")
         result = torch.load(result_path, weights_only=True)
     model = LinearClassifier(args.input_size)
     model.load_state_dict(result["weights"])

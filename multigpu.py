@@ -161,6 +161,22 @@ def main(rank, world_size, args, port):
     dist.destroy_process_group()
 
 
+def worker(rank, *args):  # what mp.spawn runs in each process
+    try:
+        main(rank, *args)
+    except (Exception, SystemExit) as error:
+        if not dist.is_initialized():  # no process group: Python's own exit is safe
+            raise
+        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
+        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, also to any hook a tool installed
+            sys.excepthook(*sys.exc_info())
+        sys.stdout.flush()
+        os._exit(1)
+
+
 def spawn(args):
     world_size = args.world_size or torch.accelerator.device_count() or 2  # every GPU, or 2 CPU processes
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: else each process takes every core
@@ -168,7 +184,7 @@ def spawn(args):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     try:
-        mp.spawn(main, args=(world_size, args, port), nprocs=world_size)  # main(rank, ...) in each process
+        mp.spawn(worker, args=(world_size, args, port), nprocs=world_size)  # main(rank, ...) in each process
     except mp.ProcessExitedException as error:  # one ended early (it said why, or a signal killed it)
         sys.exit(error.exit_code if error.exit_code > 0 else  # ... and mp.spawn stopped the others
                  f"{error}; mp.spawn stopped the others. Start again to resume from the last snapshot")

@@ -21,6 +21,7 @@ Writes hang_diagnosis.json to --out (default benchmarks/results).
 """
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -102,7 +103,9 @@ def worker(args):
     collective_us, collective_cpu_us = blocks(lambda i: dist.all_reduce(one), args.collectives)
     figures = report.slowest([step_us, collective_us, step_cpu_us, collective_cpu_us], torch.device("cpu"))
     if rank == 0:
-        print(RESULT, *(f"{x:.3f}" for x in figures), flush=True)
+        # One write: under torchrun's -u, print() writes each piece apart and rank 1's lines can land between them.
+        sys.stdout.write(" ".join([RESULT, *(f"{x:.3f}" for x in figures)]) + "\n")
+        sys.stdout.flush()
     del model, optimizer
     dist.destroy_process_group()
 
@@ -120,10 +123,10 @@ def launch_together(args):
     results = {}
     for setting, job in jobs.items():
         output, _ = job.communicate(timeout=args.launch_timeout)
-        found = [line for line in output.splitlines() if line.startswith(RESULT)]
+        found = re.search(re.escape(RESULT) + r"((?: [0-9.]+){4})$", output, re.MULTILINE)
         if not found:
             raise RuntimeError(f"{setting}: the launch gave no result (exit code {job.returncode}):\n{output[-2000:]}")
-        results[setting] = tuple(map(float, found[0].split()[1:]))
+        results[setting] = tuple(map(float, found[1].split()))
     shutil.rmtree(ready, ignore_errors=True)
     return results
 

@@ -203,24 +203,18 @@ def main(args):
     # The sampler hands out whole batches. The loader gets a generator of its own: each pass draws a seed, else from
     # the global generator (a resumed part of an epoch would draw once more than the run it resumes).
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
-    trainer, stop = None, None
-    try:
-        trainer = Trainer(model, train_data, optimizer, args.save_every, args.save_every_steps, args.snapshot_path,
-                          args.async_save, device)
-        trainer.train(args.total_epochs)
-        if args.export_path:  # the full state, gathered in rank 0's CPU memory (the others get none), as one file
-            full_state = trainer.state(StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if rank == 0:
-                torch.save(full_state, args.export_path)
-    except SystemExit as error:  # a check every rank agreed on (a damaged checkpoint): the group freed first, below,
-        stop = error.code        # or Python's exit can abort in its threads' destructors
+    trainer = Trainer(model, train_data, optimizer, args.save_every, args.save_every_steps, args.snapshot_path,
+                      args.async_save, device)
+    trainer.train(args.total_epochs)
+    if args.export_path:  # the full state, gathered in rank 0's CPU memory (the others get none), as one file
+        full_state = trainer.state(StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full_state, args.export_path)
     del trainer, model, optimizer  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()  # FSDP2's modules sit in reference cycles (hooks hold FSDP's state, which holds the module)
     mesh._pg_registry.clear()  # DTensor's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
-    if stop is not None:
-        sys.exit(stop)
 
 
 def parse_args(argv=None):

@@ -41,8 +41,13 @@ SCRIPTS = {
 }
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize("client", CLIENTS)
+# accelerate sets up the processes its own way: every kind of example under it. torch.distributed.run is torchrun's
+# own code, and launch --use-env a thin layer over it: one example each (torchrun runs every script elsewhere).
+PAIRS = [("accelerate", script) for script in SCRIPTS] + [("torch.distributed.run", "multinode.py"),
+                                                          ("torch.distributed.launch", "multigpu_torchrun.py")]
+
+
+@pytest.mark.parametrize("client, script", PAIRS)
 def test_an_example_trains_on_every_rank_and_resumes_under_the_client(tmp_path, client, script):
     first, second = SCRIPTS[script]
     out = run(CLIENTS[client](script, *first), cwd=tmp_path, env=ENV, timeout=180).stdout

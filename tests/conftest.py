@@ -174,6 +174,7 @@ SHARED_SETUP = {"test_container", "test_evaluation", "test_fsdp", "test_linear_d
                 "test_train_hf"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in SHARED_SETUP:

@@ -250,10 +250,13 @@ def assert_one_line_error(result, *fragments, code=2):
     `script.py: error: ...` from argparse) with every fragment, before any traceback; launchers may add
     their own report of the failed process after it. Returns the line."""
     assert result.returncode == code, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ") or ": error: " in line]
+    # The ranks share the launcher's stderr, and Python writes a sys.exit message and its newline in two writes:
+    # two ranks' messages can meet on one line ("...CPUerror: ..."; seen under -n 2). Each starts a line here.
+    stderr = re.sub(r"(?<=\S)(?=error: )", "\n", result.stderr)
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ") or ": error: " in line]
     assert lines, result.stderr[-3000:]
     assert len(set(lines)) == 1, f"one error, said once per node: {lines}"
-    assert "Traceback" not in result.stderr.split(lines[0])[0], result.stderr[-3000:]
+    assert "Traceback" not in stderr.split(lines[0])[0], result.stderr[-3000:]
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]

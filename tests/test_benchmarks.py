@@ -114,6 +114,7 @@ def test_startup_times_a_script_to_its_first_epoch(tmp_path):
     assert row["status"] == ("PASS" if row["first_step_s"] <= 5 else "MISS")
 
 
+@pytest.mark.slow  # repeated launches; the test below checks the same counting without them
 def test_clean_exit_counts_clean_runs(tmp_path):
     run([sys.executable, REPO / "benchmarks/clean_exit.py", "--jobs", "run_with_python.py", "--repeats", "2",
          "--out", tmp_path], cwd=REPO, timeout=180)

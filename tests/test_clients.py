@@ -43,8 +43,12 @@ SCRIPTS = {
 
 # accelerate sets up the processes its own way: every kind of example under it. torch.distributed.run is torchrun's
 # own code, and launch --use-env a thin layer over it: one example each (torchrun runs every script elsewhere).
-PAIRS = [("accelerate", script) for script in SCRIPTS] + [("torch.distributed.run", "multinode.py"),
-                                                          ("torch.distributed.launch", "multigpu_torchrun.py")]
+# The developer loop (-m "not slow") keeps accelerate with step 3 and train.py; the rest run in the whole suite.
+SLOW = pytest.mark.slow
+PAIRS = [("accelerate", "multigpu_torchrun.py"), pytest.param("accelerate", "multinode.py", marks=SLOW),
+         pytest.param("accelerate", "by_feature/gradient_accumulation.py", marks=SLOW),
+         pytest.param("torch.distributed.run", "multinode.py", marks=SLOW),
+         pytest.param("torch.distributed.launch", "multigpu_torchrun.py", marks=SLOW)]
 
 
 @pytest.mark.parametrize("client, script", PAIRS)
@@ -57,7 +61,8 @@ def test_an_example_trains_on_every_rank_and_resumes_under_the_client(tmp_path, 
     assert summary(out).world_size == 2, out[-3000:]
 
 
-@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("client", ["accelerate", pytest.param("torch.distributed.run", marks=SLOW),
+                                    pytest.param("torch.distributed.launch", marks=SLOW)])
 def test_train_py_trains_on_both_ranks_and_resumes_under_the_client(tmp_path, client):
     out_dir = tmp_path / "out"
     common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples",

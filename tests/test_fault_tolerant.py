@@ -158,7 +158,7 @@ def assert_same_weights(a, b):
     assert_bitwise_equal(first["optimizer"], second["optimizer"], "optimizer")
 
 
-@pytest.mark.slow  # about 50 s on 2 busy cores: the late joiner below heals in the developer loop
+@pytest.mark.slow  # about 50 s on 2 busy cores
 def test_a_killed_group_costs_the_survivor_no_restart_and_heals_on_return(tmp_path, lighthouse):
     steps = 300
     flags = ["--steps", steps, "--step_delay", DELAY]
@@ -193,6 +193,7 @@ def test_one_group_learns_alone(tmp_path, lighthouse):
     assert load_snapshot(group.weights)["step"] == 60
 
 
+@pytest.mark.slow  # 200 paced steps, some 30 s: the developer loop keeps one group and the one-line errors
 def test_a_group_that_joins_late_heals_and_both_learn(tmp_path, lighthouse):
     steps = 200
     first = Group(tmp_path, "first", lighthouse, "--replica_id", "0", "--steps", steps, "--step_delay", DELAY)
@@ -230,6 +231,7 @@ def test_a_lighthouse_that_dies_is_one_line(tmp_path):
     assert_one_line_error(result, f"no quorum from the lighthouse at {address} within 2s", "still running", code=1)
 
 
+@pytest.mark.slow  # the running group's 200 paced steps: some 30 s
 def test_a_group_with_another_model_is_one_line_and_the_others_train_on(tmp_path, lighthouse):
     steps = 200
     running = Group(tmp_path, "running", lighthouse, "--replica_id", "0", "--steps", steps, "--step_delay", DELAY)

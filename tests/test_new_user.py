@@ -45,7 +45,12 @@ def assert_refused_before_training(result, place, reasons):
     assert not epoch_lines(result.stdout) and "'loss'" not in result.stdout, result.stdout[-2000:]
 
 
-@pytest.mark.parametrize("script", WRITERS)
+# The scripts test_proc_is_found_before_training refuses in the quick subset wait for the whole suite here: the
+# developer loop refuses every writer once.
+PROC = ["singlegpu.py", "multigpu_torchrun.py", "fsdp.py", "train.py"]
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in PROC else s for s in WRITERS])
 def test_a_file_where_a_directory_should_be_is_found_before_training(tmp_path, script):
     (tmp_path / "README.md").write_text("a file, not a directory")
     result = launch(script, "README.md/out", tmp_path)
@@ -53,7 +58,7 @@ def test_a_file_where_a_directory_should_be_is_found_before_training(tmp_path, s
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("script", ["singlegpu.py", "multigpu_torchrun.py", "fsdp.py", "train.py"])
+@pytest.mark.parametrize("script", PROC)
 def test_proc_is_found_before_training(tmp_path, script):
     result = launch(script, "/proc/out", tmp_path)
     assert_refused_before_training(result, "/proc/out", ("No such file or directory",))
@@ -84,6 +89,7 @@ def test_a_read_only_mount_is_found_before_training(tmp_path):
         assert_refused_before_training(result, str(read_only / "out"), ("Read-only file system",))
 
 
+@pytest.mark.slow  # four launches of steps that test_tutorial.py runs one by one
 def test_the_tutorial_in_order_in_one_folder(tmp_path):
     """Each step writes its own snapshot: step 2 after step 1 trains, it does not find step 1's finished run;
     going on from step 1's snapshot is a flag."""

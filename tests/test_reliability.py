@@ -181,6 +181,7 @@ def multinode_agent(cwd, node, port, *args, extra=(), env=None):
     return start(multinode_agent_cmd(node, port, *args, extra=extra), cwd, env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", STORES)
 def test_multinode_restart_ends_bitwise_equal(tmp_path, uninterrupted, store):
     """Two nodes of one process each train exactly what multigpu_torchrun.py trains with two processes."""

@@ -116,7 +116,8 @@ def test_powersgd_resumed_from_a_zero_snapshot_equals_the_uninterrupted_run(laun
         assert_bitwise_equal(replica["model"], reference[rank]["model"], f"rank {rank}")
 
 
-@pytest.mark.parametrize("name", ["zero", "powersgd zero resumed"])
+# The resumed combination is two more launches, which the whole suite's resume test makes anyway.
+@pytest.mark.parametrize("name", ["zero", pytest.param("powersgd zero resumed", marks=pytest.mark.slow)])
 def test_zero_shards_the_optimizer_state(launched, name):
     """Under ZeRO each rank holds the momentum of its own parameters only (ZeRO shards whole tensors: the 2 x 20
     weight on one rank, the bias on the other), read from what each rank holds at the end, and the script prints

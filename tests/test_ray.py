@@ -82,6 +82,7 @@ def last_line_error(result, *fragments):
     assert last.startswith(("error: ", "ray_train.py: error: ")), result.stderr[-3000:]
     for fragment in fragments:
         assert fragment in last, last
+    return last
 
 
 @pytest.mark.slow
@@ -97,5 +98,5 @@ def test_bad_input_to_the_runner_stops_it_with_one_line(tmp_path, ray_env):
     result = run([*RUNNER, REPO / "multigpu_torchrun.py", "--local", "--", "2", "1", "--snapshot_path",
                   tmp_path / "bad.pt"], cwd=tmp_path, env=ray_env, check=False, timeout=300)
     # Every rank fails alike; Ray Train stops the others once it sees one fail, so the lowest rank it saw may be 1.
-    last_line_error(result, f"under Ray Train: cannot read the snapshot {tmp_path / 'bad.pt'}")
-    assert re.search(r"multigpu_torchrun\.py failed on rank [01] under", result.stderr), result.stderr[-3000:]
+    last = last_line_error(result, f"under Ray Train: cannot read the snapshot {tmp_path / 'bad.pt'}")
+    assert re.search(r"multigpu_torchrun\.py failed on rank [01] under", last), last

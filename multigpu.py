@@ -6,6 +6,7 @@ Each step is the one before plus its lesson: `diff -u` it against the one before
 """
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -183,11 +184,17 @@ def spawn(args):
     with socket.socket() as sock:  # a port free now, for the processes to meet at
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    try:
-        mp.spawn(worker, args=(world_size, args, port), nprocs=world_size)  # main(rank, ...) in each process
-    except mp.ProcessExitedException as error:  # one ended early (it said why, or a signal killed it)
-        sys.exit(error.exit_code if error.exit_code > 0 else  # ... and mp.spawn stopped the others
-                 f"{error}; mp.spawn stopped the others. Start again to resume from the last snapshot")
+    context = mp.start_processes(worker, args=(world_size, args, port), nprocs=world_size, join=False)
+    try:  # mp.spawn(worker, ...), keeping the processes: worker(rank, ...) in each, until all end or one fails
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as error:  # one ended early (it said why, or a signal killed it) and mp.spawn
+        # stopped the others (SIGTERM). A killed rank fails its peers' collectives and a peer may end first: name it.
+        killed = [(rank, p.exitcode) for rank, p in enumerate(context.processes)
+                  if p.exitcode < 0 and p.exitcode != -signal.SIGTERM]
+        rank, code = killed[0] if killed else (error.error_index, error.exit_code)
+        sys.exit(code if code > 0 else f"process {rank} terminated with signal {signal.Signals(-code).name}; mp.spawn "
+                 "stopped the others. Start again to resume from the last snapshot")
 
 
 def parse_args(argv=None):

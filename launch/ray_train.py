@@ -45,7 +45,9 @@ def main(argv):
         parser.error(f"{args.script} is not a Python file")
     if args.num_workers < 1:
         parser.error(f"--num_workers must be at least 1, got {args.num_workers}")
-    if args.local:  # read when ray is imported; without it Ray swaps a node address of 127.0.0.1 for the host's own
+    # Read when ray is imported; without it Ray swaps a node address of 127.0.0.1 for the host's own, and a driver
+    # that joins a Ray on 127.0.0.1 (RAY_ADDRESS) waits for ever for a node of its own address.
+    if args.local or os.environ.get("RAY_ADDRESS", "").startswith(("127.", "localhost:")):
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
     from ray.train import ScalingConfig, TrainingFailedError

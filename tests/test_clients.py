@@ -41,9 +41,9 @@ SCRIPTS = {
 }
 
 
-# accelerate sets up the processes its own way: every kind of example under it. torch.distributed.run is torchrun's
-# own code, and launch --use-env a thin layer over it: one example each (torchrun runs every script elsewhere).
-# The developer loop (-m "not slow") keeps accelerate with step 3 and train.py; the rest run in the whole suite.
+# accelerate sets up the processes its own way: every kind of example under it, and train.py. torch.distributed.run
+# is torchrun's own code, and launch --use-env a thin layer over it: one example each (torchrun runs every script
+# elsewhere). The developer loop (-m "not slow") keeps accelerate with step 3 and train.py.
 SLOW = pytest.mark.slow
 PAIRS = [("accelerate", "multigpu_torchrun.py"), pytest.param("accelerate", "multinode.py", marks=SLOW),
          pytest.param("accelerate", "by_feature/gradient_accumulation.py", marks=SLOW),
@@ -61,17 +61,14 @@ def test_an_example_trains_on_every_rank_and_resumes_under_the_client(tmp_path, 
     assert summary(out).world_size == 2, out[-3000:]
 
 
-@pytest.mark.parametrize("client", ["accelerate", pytest.param("torch.distributed.run", marks=SLOW),
-                                    pytest.param("torch.distributed.launch", marks=SLOW)])
-def test_train_py_trains_on_both_ranks_and_resumes_under_the_client(tmp_path, client):
+def test_train_py_trains_on_both_ranks_and_resumes_under_accelerate(tmp_path):
     out_dir = tmp_path / "out"
     common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples",
               "128", "--disable_tqdm", "True")
-    out = run(CLIENTS[client]("train.py", *common, "--num_train_epochs", "1"), cwd=tmp_path, env=ENV,
-              timeout=300).stdout
+    out = run(accelerate("train.py", *common, "--num_train_epochs", "1"), cwd=tmp_path, env=ENV, timeout=300).stdout
     assert summary(out).world_size == 2 and "weights identical on all 2 ranks" in out, out[-3000:]
     steps = json.loads((out_dir / "trainer_state.json").read_text())["global_step"]
-    out = run(CLIENTS[client]("train.py", *common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last"),
+    out = run(accelerate("train.py", *common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last"),
               cwd=tmp_path, env=ENV, timeout=300).stdout
     assert f"resuming from {out_dir / f'checkpoint-{steps}'}" in out, out[-3000:]
     assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 2 * steps

@@ -14,10 +14,13 @@ import pytest
 import conftest
 from conftest import (MNIST, REPO, assert_bitwise_equal, check_no_abort, collectives_issued, epoch_lines, free_port,
                       load_snapshot, summary)
-from test_clients import SCRIPTS  # script: (first submission's arguments, the second's)
+from test_clients import SCRIPTS as CLIENT_SCRIPTS
 from test_slurm import WHY_NOT, cluster, job_env, launched_on  # noqa: F401  cluster: the fixture, a cluster per module
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
+# script: (first submission's arguments, the second's). Steps 3 and 4: the by_feature scripts run as step 3 does,
+# main(parse_args(argv)) in each task.
+SCRIPTS = {script: runs for script, runs in CLIENT_SCRIPTS.items() if not script.startswith("by_feature/")}
 
 RUNNER = REPO / "launch" / "submitit_job.py"
 # A submission takes 10 to 30 s here: each is bounded by the job's time limit and, a little later, by the test.

@@ -4,7 +4,8 @@
 
 Joins the Ray cluster of RAY_ADDRESS (or `ray start`'s), else starts one on this machine. The workers run in Ray's
 session folder, not here: give the example absolute paths (the snapshot too), on a filesystem every node shares.
-On one machine, `--local` keeps Ray on 127.0.0.1: Ray takes the host's network address otherwise.
+On one machine, `--local` keeps Ray on 127.0.0.1 (so does a RAY_ADDRESS of 127.0.0.1): Ray takes the host's
+network address otherwise.
 """
 import argparse
 import importlib.util

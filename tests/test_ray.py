@@ -1,7 +1,7 @@
 """The examples under Ray Train (pinned in requirements-dev.txt): launch/ray_train.py calls each example's own
 main(args) in a TorchTrainer's workers, where Ray Train already started the process group. Every rank takes part
-and a second run resumes from the first's snapshot. Ray runs on 127.0.0.1 only (--local), as every test here
-binds only loopback, and the test checks that it did: Ray's node and the group's master address.
+and a second run resumes from the first's snapshot. Ray runs on 127.0.0.1 only, as every test here binds only
+loopback, and the test checks that it did: Ray's node and the group's master address.
 
 The training runs join one Ray that `ray start --head` started for this file (RAY_ADDRESS, as on a cluster): a
 Ray of its own costs each run about half as much CPU again. The runner's own Ray (--local, the docs' command)

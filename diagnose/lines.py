@@ -3,19 +3,35 @@
 Pure functions of what the ranks reported (dicts that json carries through the store), so that each case is
 tested without a job; torch is imported only to write a flight recorder dump.
 """
+import importlib.util
 import os
 import pickle
 import re
 import signal
+import site
+import sys
 import sysconfig
 import time
 
 DOCS = "docs/hangs.md"
 DUMP_ROOT = "fr_traces"
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# Frames in these folders are not the user's: torch, the standard library, installed packages, this tool.
-_NOT_USER = tuple({os.path.abspath(p) + os.sep for p in (
-    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], _HERE)})
+
+
+def _not_user_folders():
+    """Folders whose frames are not the user's: the standard library, installed packages (also those of a
+    --system-site-packages venv's base, `pip install --user`, a .pth file), wherever torch is, this tool."""
+    paths = sysconfig.get_paths()
+    folders = [paths["stdlib"], paths["purelib"], paths["platlib"], _HERE, *site.getsitepackages()]
+    folders += [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    folders += [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")]
+    torch = importlib.util.find_spec("torch")
+    if torch and torch.origin:
+        folders.append(os.path.dirname(os.path.dirname(torch.origin)))
+    return tuple({os.path.abspath(p) + os.sep for p in folders if p})
+
+
+_NOT_USER = _not_user_folders()
 
 
 def one_line(error, limit=300):

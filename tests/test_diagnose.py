@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import BIN, REPO, check_no_abort, clean_env, free_port, kill_launched, launched_pids, mpi_env, start
 
@@ -298,10 +299,23 @@ def test_bad_input_is_one_line(args, message):
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse's usage line, then the error
 
 
-def test_it_works_from_anywhere_with_the_repository_on_pythonpath(tmp_path):
-    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))),
-                        env_for("torchrun", FAULT="stall"), tmp_path)
-    assert code != 0 and "rank 1 did not arrive" in the_line(lines)
+def test_it_works_from_anywhere_and_with_torch_outside_its_pythons_own_packages(tmp_path):
+    """From another folder, with the repository on PYTHONPATH, under a venv that finds torch through a .pth file
+    in a folder of no Python's own (as a venv over a container image's torch can): torch's frames are still not
+    taken for the user's line."""
+    venv, elsewhere = tmp_path / "venv", tmp_path / "torch-packages"
+    elsewhere.symlink_to(Path(torch.__file__).parent.parent)  # the frames' paths then start here
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    python = venv / "bin" / "python"
+    packages = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+    (Path(packages) / "elsewhere.pth").write_text(f"{elsewhere}\n")
+    cmd = [python, "-m", "diagnose", "--timeout", str(TIMEOUT), python, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", user_script(tmp_path)]
+    code, lines = watch(cmd, env_for("torchrun", FAULT="stall"), tmp_path)
+    line = the_line(lines)
+    assert code != 0 and f"backward() at {line_of('the backward line')}) waited" in line, line
+    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('the stall')}" in line, line
     assert (tmp_path / "fr_traces").is_dir()
 
 

@@ -230,6 +230,11 @@ def main(args):
     backend = args.backend or dist.get_default_backend_for_device(device)
     if backend == "nccl" and device.type != "cuda":
         sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
+    if args.comm_hook == "powersgd" and device.type == "cpu" and torch.cuda.is_available():
+        # torch's powerSGD_hook calls torch.cuda.synchronize(the bucket's device) whenever CUDA is available:
+        # with a GPU in sight, a bucket on the CPU fails in the first compressed step
+        sys.exit("error: --comm_hook powersgd cannot train on the CPU while CUDA GPUs are visible: start at most one "
+                 "process per GPU, or hide the GPUs with CUDA_VISIBLE_DEVICES= to train on the CPU")
     if rank == 0:  # the snapshot's folder checked now, not after the first epochs; torchrun then stops every rank
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.snapshot_path)), exist_ok=True)

@@ -71,8 +71,20 @@ def check_no_abort(output, what):
             pytest.fail(f"{what} printed {marker!r}:\n{output[-4000:]}")
 
 
+GPU_LAUNCH = "DDP_EXAMPLES_TEST_GPUS"  # in a launch's environment (gpu_env): the launch may use the GPUs
+
+
+def gpu_env(base=clean_env, **extra):
+    """The environment of a launch that trains on the machine's GPUs (tests/test_gpu.py)."""
+    return base(**{GPU_LAUNCH: "1"}, **extra)
+
+
 def _tagged(env):
     env = {**(env or clean_env()), TOKEN_VARIABLE: _current_token}
+    # Every other launch checks the CPU paths, on any machine: its GPUs hidden, a 2-rank job on a one-GPU machine
+    # trains on the CPU as on a laptop rather than beside the GPU (test_gpu.py's case).
+    if env.pop(GPU_LAUNCH, None) is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     # OpenMP's threads (torch's intra-op pool) spin while they wait for work, by default. With two tests side by
     # side (-n 2) on 2 cores, the spinning threads take the cores from the processes that have work: test_tutorial.py
     # took 232 s of CPU for 123 s of wall time, and 190 s for 101 s once they sleep instead. Results do not change.

@@ -5,7 +5,7 @@
     mpirun -np 2 python train.py --data_dir data/mnist                        # DDP, ranks from MPI
     python train.py --data_dir data/mnist --num_train_epochs 5 --resume_from_checkpoint last
     torchrun --standalone --nproc_per_node=2 --max_restarts=3 train.py --data_dir data/mnist
-                                     # a restarted group resumes from the newest checkpoint
+                                     # a restarted group resumes from the newest complete checkpoint
     python train.py                  # MNIST from the Hugging Face Hub (ylecun/mnist)
 
 --data_dir: MNIST's IDX files (plain or .gz, there or under MNIST/raw) or a DatasetDict from save_to_disk; data/mnist
@@ -15,6 +15,7 @@ model and train/eval/all_results.json go to --output_dir (trainer_output).
 import gc
 import hashlib
 import os
+import re
 import socket
 import sys
 import time
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from torch import nn
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from models_and_data import mnist_splits
 
@@ -37,6 +38,7 @@ HUB_DATASET = "ylecun/mnist"
 GET_THE_DATA = ("give --data_dir DIR with the MNIST IDX files (this repository's data/mnist holds the test set) or a "
                 "DatasetDict written by save_to_disk")
 MEAN, STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to 0..1
+COMPLETE = "complete"  # in a checkpoint-N folder: every rank finished its part of it (CompleteCheckpoints)
 
 
 class SimpleCNN(nn.Module):
@@ -175,16 +177,36 @@ def start_process_group(flags):
     return backend
 
 
+class CompleteCheckpoints(TrainerCallback):
+    """Each rank writes its part of a checkpoint on its own (rank 0 the weights, optimizer and trainer_state.json,
+    every rank its RNG state), so a rank killed while saving leaves a folder that looks whole and is not. Once all
+    ranks have saved, rank 0 marks the folder; a resume takes the newest marked one."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if dist.is_initialized():
+            dist.barrier()
+        if state.is_world_process_zero:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            open(os.path.join(folder, COMPLETE), "w").close()
+
+
+def newest_complete_checkpoint(output_dir):
+    steps = [int(name.rsplit("-", 1)[1]) for name in os.listdir(output_dir)
+             if re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", name)
+             and os.path.isfile(os.path.join(output_dir, name, COMPLETE))]
+    return os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{max(steps)}") if steps else None
+
+
 def checkpoint_to_resume(value, output_dir):
-    """--resume_from_checkpoint: a folder, or last/True for the newest in output_dir. Without it, a group that
-    torchrun restarted after a failure goes on from the newest checkpoint, not from scratch."""
-    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    """--resume_from_checkpoint: a folder, or last/True for the newest complete one in output_dir. Without it, a
+    group that torchrun restarted after a failure goes on from the newest complete checkpoint, not from scratch."""
+    last = newest_complete_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     if value is None:
         return last if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 else None
     if value.lower() in ("last", "true"):
         if last is None:
-            sys.exit(f"error: --resume_from_checkpoint {value}: {output_dir} holds no checkpoint-N folder to resume "
-                     "from; leave the flag out to start afresh")
+            sys.exit(f"error: --resume_from_checkpoint {value}: {output_dir} holds no complete checkpoint-N folder to "
+                     "resume from; leave the flag out to start afresh")
         return last
     if not os.path.isfile(os.path.join(value, "trainer_state.json")):
         sys.exit(f"error: --resume_from_checkpoint {value}: not a Trainer checkpoint (no trainer_state.json); give a "
@@ -258,7 +280,8 @@ def main(argv=None):
     set_seed(training_args.seed)  # the same initial weights on every rank
     span = RunSpan()
     trainer = Trainer(model=SimpleCNN(), args=training_args, train_dataset=train_set, eval_dataset=eval_set,
-                      data_collator=collate, compute_metrics=eval_metrics, callbacks=[span])
+                      data_collator=collate, compute_metrics=eval_metrics,
+                      callbacks=[span, CompleteCheckpoints()])
     rank_zero = trainer.is_world_process_zero()
     if rank_zero:
         if note:

@@ -349,8 +349,8 @@ def test_mpirun_stops_every_rank_when_one_is_killed(tmp_path):
 @pytest.mark.slow
 def test_train_py_restarted_by_torchrun_resumes_mid_epoch_from_its_newest_checkpoint_bitwise(tmp_path, mnist_dir):
     """The Trainer's own checkpoints every 3 steps (--save_strategy steps), so the kill lands mid-epoch: the
-    restarted group goes on from the newest checkpoint, skipping the batches of the epoch it had done, and ends
-    with the weights of a run that was never killed, to the bit."""
+    restarted group goes on from the newest complete checkpoint (the kill may land while rank 1 saves), skipping
+    the batches of the epoch it had done, and ends with the weights of a run that was never killed, to the bit."""
     flags = ("--data_dir", mnist_dir, "--max_train_samples", "512", "--max_eval_samples", "64", "--num_train_epochs",
              "3", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no", "--disable_tqdm", "True")
     run(torchrun_cmd("train.py", *flags, "--output_dir", tmp_path / "straight"), cwd=tmp_path, timeout=HANG_GUARD_S)
@@ -364,7 +364,7 @@ def test_train_py_restarted_by_torchrun_resumes_mid_epoch_from_its_newest_checkp
     # torchrun stops the old group before it starts the new one: the checkpoints there are then all there are.
     wait_for(lambda: torchrun_worker(job.pid, local_rank=0, restart=1) or job.poll() is not None, 120,
              "the restarted group")
-    complete = [int(p.parent.name.split("-")[1]) for p in out_dir.glob("checkpoint-*/trainer_state.json")]
+    complete = [int(p.parent.name.split("-")[1]) for p in out_dir.glob("checkpoint-*/complete")]
     out = finish(job, HANG_GUARD_S)
     assert job.returncode == 0, out
     resumed = re.search(r"resuming from \S*/checkpoint-(\d+)", out)

@@ -286,7 +286,7 @@ def test_the_trainer_resumes_mid_epoch_at_another_world_size_with_every_sample_o
              "--max_eval_samples", "64", "--num_train_epochs", "2", "--save_strategy", "steps", "--save_steps", "3",
              "--eval_strategy", "no", "--disable_tqdm", "True")
     job = start(torchrun_cmd("train.py", *flags), cwd=tmp_path, env=probe_env(first))
-    wait_for(lambda: (tmp_path / "out" / "checkpoint-3" / "trainer_state.json").exists() or job.poll() is not None,
+    wait_for(lambda: (tmp_path / "out" / "checkpoint-3" / "complete").exists() or job.poll() is not None,
              300, "checkpoint-3")
     for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(2)]:
         os.kill(pid, signal.SIGKILL)

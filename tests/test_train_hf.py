@@ -2,6 +2,7 @@
 import json
 import math
 import re
+import shutil
 import time
 
 import numpy as np
@@ -102,7 +103,7 @@ def test_python_run_writes_the_trainer_outputs_and_learns(one_epoch_run, mnist_d
     assert trained(result.stdout) == (1.0, 8, 1, "none")
     assert "weights identical" not in result.stdout  # one process: nothing to compare
     for name in ("model.safetensors", "train_results.json", "eval_results.json", "all_results.json",
-                 "checkpoint-8/optimizer.pt"):
+                 "checkpoint-8/optimizer.pt", "checkpoint-8/complete"):
         assert (output_dir / name).is_file(), name
     results = json.loads((output_dir / "all_results.json").read_text())
     assert results["train_samples"] == 512 and results["eval_samples"] == 256
@@ -143,7 +144,12 @@ def test_mpirun_two_ranks_on_a_saved_dataset(one_epoch_run, mnist_dir, tmp_path)
 
 
 def test_resume_from_the_last_checkpoint(one_epoch_run, mnist_dir):
+    """From the newest complete one: a newer folder that a process killed while saving left unmarked is passed by."""
     output_dir, _ = one_epoch_run
+    torn = output_dir / "checkpoint-12"
+    shutil.copytree(output_dir / "checkpoint-8", torn)
+    (torn / "complete").unlink()
+    (torn / "rng_state.pth").write_bytes((torn / "rng_state.pth").read_bytes()[:100])
     result = run(python_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", output_dir, *TINY,
                             "--num_train_epochs", "2", "--resume_from_checkpoint", "last"),
                  cwd=output_dir.parent, env=ENV, timeout=300)

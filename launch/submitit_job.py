@@ -22,6 +22,11 @@ def train(script, argv):
     # submitit names the first node as SLURM does, a name that need not resolve on the nodes: ask SLURM its address.
     env.master_addr = subprocess.run(["sinfo", "--noheader", "--Node", f"--nodes={env.master_addr}", "--format=%o"],
                                      capture_output=True, text=True, check=True).stdout.split()[0]
+    if "MASTER_PORT" not in os.environ:
+        # submitit draws it from 20000-60000 (seeded by the job id), where Linux also hands out ports to outgoing
+        # connections and to srun's own listeners: a draw that lands on one fails EADDRINUSE. Below that range,
+        # and the same in every task:
+        env.master_port = 15000 + int(os.environ["SLURM_JOB_ID"]) % 10000
     # overwrite: a MASTER_PORT that sbatch passed on from the submitting shell is used, not refused.
     # CUDA_VISIBLE_DEVICES left alone: the examples pick their GPU by LOCAL_RANK.
     env.export(set_cuda_visible_devices=False, overwrite=True)

@@ -81,11 +81,9 @@ def test_trains_and_resumes_on_the_gpu(tmp_path, script):
     args = ["--batch_size", "256"] if script == "fsdp.py" else ["--input_size", "20"]
     if "powersgd" in script or "comm_hooks" in script:
         args += ["--comm_hook", "powersgd"]
-    first = run(torchrun_cmd(script, *args, "--total_epochs", "2", nproc=1), cwd=tmp_path,
-                env=gpu_env()).stdout
+    first = run(torchrun_cmd(script, *args, "--total_epochs", "2", nproc=1), cwd=tmp_path, env=gpu_env()).stdout
     assert_trained_on_nccl(first, 1)
-    second = run(torchrun_cmd(script, *args, "--total_epochs", "4", nproc=1), cwd=tmp_path,
-                 env=gpu_env()).stdout
+    second = run(torchrun_cmd(script, *args, "--total_epochs", "4", nproc=1), cwd=tmp_path, env=gpu_env()).stdout
     assert re.search(r"Resuming from \S+ at epoch 2", second), second[-3000:]
     assert summary(second).backend == "nccl"
     resumed = epoch_losses(second)

@@ -148,4 +148,16 @@ def parse_args():
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except (Exception, SystemExit) as error:
+        if not dist.is_initialized():  # no process group: Python's own exit is safe
+            raise
+        # This rank stops while its group lives (torch's timeout, a check said no): Python's own exit could abort
+        # on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, also to any hook a tool installed
+            sys.excepthook(*sys.exc_info())
+        sys.stdout.flush()
+        os._exit(1)

@@ -104,6 +104,22 @@ def main(rank, world_size, backend, address, port, timeout):
     dist.destroy_process_group()
 
 
+def worker(rank, *args):  # what mp.spawn runs in each process
+    try:
+        main(rank, *args)
+    except (Exception, SystemExit) as error:
+        if not dist.is_initialized():  # no process group: Python's own exit is safe
+            raise
+        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
+        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, also to any hook a tool installed
+            sys.excepthook(*sys.exc_info())
+        sys.stdout.flush()
+        os._exit(1)
+
+
 def spawn(args, parser):
     world_size = args.world_size or torch.accelerator.device_count() or 2
     accelerator = torch.accelerator.current_accelerator(check_available=True)
@@ -126,8 +142,8 @@ def spawn(args, parser):
                      f"({os.strerror(error.errno)}): give an address of this machine (e.g. 127.0.0.1) and a free "
                      "--master_port, or leave it out")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: else each process takes every core
-    # world_size processes, each running main(rank, world_size, backend, address, port, timeout)
-    mp.spawn(main, args=(world_size, backend, args.master_addr, port, timedelta(seconds=args.timeout)),
+    # world_size processes, each running worker(rank, world_size, backend, address, port, timeout)
+    mp.spawn(worker, args=(world_size, backend, args.master_addr, port, timedelta(seconds=args.timeout)),
              nprocs=world_size)
 
 

@@ -139,7 +139,7 @@ def check_fits(path, state):
     flags): DCP itself loads a checkpoint with extra tensors without a word."""
     try:
         metadata = FileSystemReader(path).read_metadata()
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001  whatever damaged metadata raises: one line
         sys.exit(f"error: checkpoint {path} cannot be read ({type(error).__name__}: {first_line(error)}); move it "
                  "away to resume from the one before, or pass another --snapshot_path")
     saved = {key: tuple(item.size) for key, item in metadata.state_dict_metadata.items()

@@ -32,7 +32,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
@@ -85,7 +85,7 @@ class Trainer:
     def _load_snapshot(self, path):
         try:  # a bad file named in one line, not a traceback; training on would overwrite it
             state = torch.load(path, map_location="cpu") if os.path.exists(path) else None
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001  whatever a damaged file raises
             sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a "
                      "snapshot); move it away or pass another --snapshot_path")
         state = self._newest(state, path)

@@ -49,7 +49,7 @@ class Trainer:
     def _load_snapshot(self, path):
         try:  # a bad file named in one line, not a traceback; training on would overwrite it
             state = torch.load(path, map_location="cpu")
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001  whatever a damaged file raises
             sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a "
                      "snapshot); move it away or pass another --snapshot_path")
         try:

@@ -25,7 +25,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from torch import nn
@@ -246,7 +246,8 @@ def check_weights_identical(model, rank_zero):
 
 
 def main(argv=None):
-    if "RANK" not in os.environ and any(name in os.environ for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+    mpi_variables = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+    if "RANK" not in os.environ and any(name in os.environ for name in mpi_variables):
         mpi_environment()  # mpirun started us: RANK, WORLD_SIZE, MASTER_ADDR, ... from MPI before anything reads them
     parser = HfArgumentParser((DataArguments, TrainingArguments))
     parser.set_defaults(**DEFAULTS)

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import common, report  # noqa: E402
-import torch.distributed.nn  # noqa: E402,F401  imported before any process group: docs/failures.md, clean exits
-from benchmarks.common import UsageError, check_backend, group_store  # noqa: E402
+from benchmarks import common, report
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
+from benchmarks.common import UsageError, check_backend, group_store
 
 ELEMENT = torch.tensor([], dtype=torch.float32).element_size()
 
@@ -141,7 +141,6 @@ def measure(sizes, timer, device, comm):
                 mpi_seconds = timer.median_seconds(lambda: comm.Allreduce(send, receive, op=MPI.SUM))
                 row.update(mpi_time_s=mpi_seconds, mpi_busbw_GBps=size / mpi_seconds / 1e9 * bus_factor(world_size))
             rows.append(row)
-            del tensor, copy_target
     finally:
         tcp.close()
     return rows

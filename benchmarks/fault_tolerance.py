@@ -37,9 +37,9 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import report  # noqa: E402
-from benchmarks.common import free_port, group_store  # noqa: E402
-from benchmarks.launches import BIN, REPO, clean_env  # noqa: E402
+from benchmarks import report
+from benchmarks.common import free_port, group_store
+from benchmarks.launches import BIN, REPO, clean_env
 
 # The lighthouse as docs/fault-tolerance.md starts it: a group silent for 2 s is dead.
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
@@ -194,7 +194,7 @@ def worker(args):
     them, a snapshot every --save_every_steps steps written by rank 0, resumed from at start."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.nn  # noqa: F401  before any process group: docs/failures.md, clean exits
+    import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -49,11 +49,11 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import comm_hooks, common, report  # noqa: E402
-import torch.distributed.nn  # noqa: E402,F401  imported before any process group: docs/failures.md, clean exits
-from benchmarks.comm_hooks import CommHook  # noqa: E402
-from benchmarks.common import UsageError, check_backend, free_port  # noqa: E402
-from models_and_data import MLP, LinearClassifier, mnist_splits  # noqa: E402
+from benchmarks import comm_hooks, common, report
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
+from benchmarks.comm_hooks import CommHook
+from benchmarks.common import UsageError, check_backend, free_port
+from models_and_data import MLP, LinearClassifier, mnist_splits
 
 
 class SimpleCNN(nn.Module):
@@ -448,7 +448,8 @@ def plot_titles(result):
     """The titles of scaling.png and scaling-comm.png, from the result they plot."""
     machine, cores = result["machine"], result["machine"]["cpu_cores"]
     main_title = (f"DDP throughput vs independent processes, {result['backend']}, {result['threads_per_rank']} "
-                  f"thread/rank | {machine['hostname']}: {machine['cpu_model']}, {cores} cores | torch {result['torch']}")
+                  f"thread/rank | {machine['hostname']}: {machine['cpu_model']}, {cores} cores | "
+                  f"torch {result['torch']}")
     load = ", ".join(f"{x:.1f}" for x in machine.get("load_average_after") or machine["load_average_1_5_15min"])
     comm_title = (f"DDP throughput against bytes per step, {result['backend']}, {result['threads_per_rank']} "
                   f"thread/rank, accuracy after {result.get('accuracy_steps')} steps | {machine['hostname']}, "

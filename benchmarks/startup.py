@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import common, report  # noqa: E402
-from benchmarks.launches import LAUNCHES, launch_argv, launch_env, launch_once, script_of  # noqa: E402
-from benchmarks.common import UsageError  # noqa: E402
+from benchmarks import common, report
+from benchmarks.launches import LAUNCHES, launch_argv, launch_env, launch_once, script_of
+from benchmarks.common import UsageError
 
 # The scripts' own launches (the variants under a second launcher are the clean-exit benchmark's business).
 SCRIPTS = [name for name in LAUNCHES if " " not in name and not name.startswith("benchmarks/")]

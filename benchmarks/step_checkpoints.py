@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import common, report  # noqa: E402
-from benchmarks.launches import clean_env, launch_once, torchrun_cmd  # noqa: E402
-from benchmarks.common import UsageError  # noqa: E402
+from benchmarks import common, report
+from benchmarks.launches import clean_env, launch_once, torchrun_cmd
+from benchmarks.common import UsageError
 
 SUMMARY = re.compile(r"^Summary: epochs \d+ \| steps (\d+) \| .* \| samples/s ([\d.]+) \| wall ([\d.]+)s", re.M)
 NEVER = 10**9  # --save_every_steps for "no step snapshot": only the epoch ends save
@@ -70,7 +70,8 @@ def main(args):
     # machine's noise (at large N it is a few percent of the run, within what two launches differ by).
     smallest = min(args.every)
     cost = {row["mode"]: row["cost_ms"] for row in rows if row["every_steps"] == smallest}
-    print(f"One snapshot costs {cost['sync']:.1f} ms in the training thread ({cost['async']:.1f} ms with --async_save), "
+    print(f"One snapshot costs {cost['sync']:.1f} ms in the training thread "
+          f"({cost['async']:.1f} ms with --async_save), "
           f"measured at N = {smallest}; a step takes {step_ms:.1f} ms. Rule of thumb: N >= 50 x snapshot / step keeps "
           f"the overhead near 2%: N >= {max(1, round(50 * cost['sync'] / step_ms))} here "
           f"({max(1, round(50 * cost['async'] / step_ms))} with --async_save)")

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -60,7 +60,7 @@ def read_snapshot(path):
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001  whatever a damaged file raises: one line, not a traceback
         sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a snapshot); "
                  "move it away or pass another --snapshot_path")
 
@@ -164,8 +164,9 @@ class Trainer:
         stats = torch.zeros(3, device=self.device)  # loss sum, correct, samples
         for source, targets in self.eval_data:
             logits, targets = model(source.to(self.device)), targets.to(self.device)
-            stats += torch.stack([F.cross_entropy(logits, targets, reduction="sum"),
-                                  (logits.argmax(dim=1) == targets).sum(), torch.tensor(len(targets), device=self.device)])
+            correct = (logits.argmax(dim=1) == targets).sum()
+            stats += torch.stack([F.cross_entropy(logits, targets, reduction="sum"), correct,
+                                  torch.tensor(len(targets), device=self.device)])
         model.train()
         dist.all_reduce(stats)  # the sums of all ranks' shards: every held-out sample once
         loss_sum, correct, samples = stats.tolist()
@@ -227,7 +228,8 @@ def main(args):
     torch.manual_seed(args.seed)
     model = LinearClassifier(args.input_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
+    sampler = DistributedSampler(train_set, seed=args.seed)
+    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     # Dealt round-robin (rank r scores r, r + world size, ...): every held-out sample on one rank, none twice.
     eval_data = DataLoader(eval_set, batch_size=args.batch_size, sampler=range(rank, len(eval_set), world_size))
     trainer = Trainer(model, train_data, eval_data, optimizer, args, device)
@@ -265,7 +267,8 @@ def parse_args(argv=None):
     parser.add_argument("--evaluate", action="store_true", help="only evaluate the snapshot's model, then exit")
     args = parser.parse_args(argv)
     if args.evaluate and not os.path.exists(args.snapshot_path):
-        parser.error(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first or pass --snapshot_path")
+        parser.error(f"--evaluate: no snapshot at {args.snapshot_path} to evaluate; train first or pass "
+                     "--snapshot_path")
     if min(args.timeout, args.lr) <= 0:
         parser.error("--timeout and --lr must be positive")
     if "RANK" not in os.environ:

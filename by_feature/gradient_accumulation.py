@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -58,7 +58,7 @@ def read_snapshot(path):
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001  whatever a damaged file raises: one line, not a traceback
         sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a snapshot); "
                  "move it away or pass another --snapshot_path")
 
@@ -215,7 +215,8 @@ def main(args):
     torch.manual_seed(args.seed)
     model = LinearClassifier(args.input_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
+    sampler = DistributedSampler(train_set, seed=args.seed)
+    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
     del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it
@@ -246,7 +247,8 @@ def parse_args(argv=None):
     parser.add_argument("--input_size", type=positive_int, default=100, help="features per sample (default 100)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
     parser.add_argument("--accumulation_steps", type=positive_int, default=4,
-                        help="micro-batches whose gradients add up before one all-reduce and optimizer step (default 4)")
+                        help="micro-batches whose gradients add up before one all-reduce and optimizer step "
+                             "(default 4)")
     args = parser.parse_args(argv)
     if min(args.timeout, args.lr) <= 0:
         parser.error("--timeout and --lr must be positive")

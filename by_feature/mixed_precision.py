@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -57,7 +57,7 @@ def read_snapshot(path):
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001  whatever a damaged file raises: one line, not a traceback
         sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a snapshot); "
                  "move it away or pass another --snapshot_path")
 
@@ -216,7 +216,8 @@ def main(args):
     torch.manual_seed(args.seed)
     model = LinearClassifier(args.input_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=DistributedSampler(train_set, seed=args.seed))
+    sampler = DistributedSampler(train_set, seed=args.seed)
+    train_data = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     trainer = Trainer(model, train_data, optimizer, args, device)
     trainer.train(args.total_epochs)
     del trainer, optimizer  # what holds the process group (DDP, ZeRO) goes first, so destroy_process_group frees it

@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -81,7 +81,7 @@ def read_snapshot(path):
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001  whatever a damaged file raises: one line, not a traceback
         sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a snapshot); "
                  "move it away or pass another --snapshot_path")
 
@@ -104,7 +104,8 @@ class Trainer:
         self.save_every = args.save_every
         self.snapshot_path = args.snapshot_path
         self.epochs_run = 0
-        self.sampler, self.save_every_steps, self.async_save = train_data.sampler, args.save_every_steps, args.async_save
+        self.sampler, self.save_every_steps = train_data.sampler, args.save_every_steps
+        self.async_save = args.async_save
         self.position, self.steps_done = 0, 0  # samples of the epoch used; steps since the start of the run
         self.writer = None  # --async_save: the thread writing the last snapshot
         state = read_snapshot(self.snapshot_path)  # every rank resumes from it; None: a fresh start
@@ -304,7 +305,8 @@ def parse_args(argv=None):
     parser.add_argument("--input_size", type=positive_int, default=100, help="features per sample (default 100)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
     parser.add_argument("--save_every_steps", type=positive_int, default=20,
-                        help="write a snapshot every N steps, mid-epoch too: a crash costs at most N steps (default 20)")
+                        help="write a snapshot every N steps, mid-epoch too: a crash costs at most N steps "
+                             "(default 20)")
     parser.add_argument("--async_save", action="store_true",
                         help="write snapshots in a thread while training goes on; a crash may then cost up to 2N steps")
     parser.add_argument("--global_batch_size", type=positive_int,

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.join import Join
@@ -76,7 +76,7 @@ def read_snapshot(path):
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001  whatever a damaged file raises: one line, not a traceback
         sys.exit(f"error: cannot read the snapshot {path} ({type(error).__name__}: truncated, or not a snapshot); "
                  "move it away or pass another --snapshot_path")
 

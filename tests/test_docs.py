@@ -112,7 +112,7 @@ def accepted_flags(program):
 def shell_commands():
     found = []
     for page in PAGES:
-        for info, text in blocks(page, "bash"):
+        for _, text in blocks(page, "bash"):
             for tokens in commands(text):
                 parsed = program_and_script(tokens)
                 if parsed:

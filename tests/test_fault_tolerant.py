@@ -105,7 +105,7 @@ class Group:
     def finish(self, timeout=120):
         try:
             self.process.wait(timeout)
-        except Exception:
+        except subprocess.TimeoutExpired:
             kill_launched()
             pytest.fail(f"{self.name} still running after {timeout}s:\n{self.output[-3000:]}")
         self.reader.join(10)

@@ -82,7 +82,8 @@ def test_fsdp_learns_shards_block_by_block_reports_its_shards_and_saves_complete
     assert json.loads((newest / checkpoint_dir.MARKER).read_text()) == {
         "epochs_run": 4, "position": 0, "steps": STEPS * 4, "dataset_size": 2048, "seed": 0, "global_batch": 512,
         "world_size": 2}
-    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", checkpoint_dir.MARKER]
+    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                        checkpoint_dir.MARKER]
 
     # Each rank wrote its own shard of every parameter: from the checkpoint's metadata, the bytes of the model
     # that each rank's file holds.

@@ -83,8 +83,8 @@ def test_no_sync_all_reduces_once_per_optimizer_step(tmp_path):
     env = clean_env(DDP_EXAMPLES_PROBE_COLLECTIVES=1)
 
     def issued(*args):
-        result = run(accumulation_cmd("--total_epochs", "1", "--snapshot_path", f"batch{args[1]}-steps{args[3]}.pt", *args),
-                     cwd=tmp_path, env=env)
+        snapshot = f"batch{args[1]}-steps{args[3]}.pt"
+        result = run(accumulation_cmd("--total_epochs", "1", "--snapshot_path", snapshot, *args), cwd=tmp_path, env=env)
         counts = collectives_issued(result.stderr)
         assert len(counts) == 2 and len(set(counts.values())) == 1, result.stderr[-2000:]
         return counts[0]
@@ -154,7 +154,8 @@ def test_ddp_py_without_env_file_uses_defaults(tmp_path):
 def test_environment_wins_over_env_file(tmp_path):
     (tmp_path / ".env").write_text("MASTER_ADDR=127.0.0.1\nMASTER_PORT=abc\n")  # would stop the run
     port = free_port()
-    out = run(ddp_py("--total_epochs", "1", "--batch_size", "256"), cwd=tmp_path, env=clean_env(MASTER_PORT=port)).stdout
+    out = run(ddp_py("--total_epochs", "1", "--batch_size", "256"), cwd=tmp_path,
+              env=clean_env(MASTER_PORT=port)).stdout
     assert f"MASTER_PORT={port} (from the environment)" in out
     assert f"MASTER_ADDR=127.0.0.1 (from {tmp_path / '.env'})" in out
     assert summary(out).epochs == 1

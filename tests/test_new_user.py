@@ -78,14 +78,15 @@ def test_a_read_only_mount_is_found_before_training(tmp_path):
     for script, (command, flag) in WRITERS.items():
         argv = command(script, "--total_epochs" if script != "train.py" else "--num_train_epochs", "2", flag,
                        read_only / "out", *EXTRA.get(script, ()))
-        lines.append(" ".join(f"'{a}'" for a in argv) + f" > '{results / script.replace('/', '_')}.out' "
-                     f"2> '{results / script.replace('/', '_')}.err'; echo $? > '{results / script.replace('/', '_')}.rc'")
+        out = results / script.replace("/", "_")
+        lines.append(" ".join(f"'{a}'" for a in argv) + f" > '{out}.out' 2> '{out}.err'; echo $? > '{out}.rc'")
     shell = f"mount -t tmpfs -o ro tmpfs '{read_only}' && " + " ; ".join(lines)
     run(["unshare", "--mount", "--propagation", "private", "sh", "-c", shell], cwd=tmp_path, timeout=600)
     for script in WRITERS:
         name = script.replace("/", "_")
         result = subprocess.CompletedProcess(script, int((results / f"{name}.rc").read_text()),
-                                             (results / f"{name}.out").read_text(), (results / f"{name}.err").read_text())
+                                             (results / f"{name}.out").read_text(),
+                                             (results / f"{name}.err").read_text())
         assert_refused_before_training(result, str(read_only / "out"), ("Read-only file system",))
 
 

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from conftest import BIN, MNIST, REPO, check_no_abort, finish, free_port, listening, start, clean_env, epoch_lines, mpi_env, run, summary
+from conftest import (BIN, MNIST, REPO, check_no_abort, clean_env, epoch_lines, finish, free_port, listening, mpi_env,
+                      run, start, summary)
 
 # Top-level packages an example may import besides torch and the standard library, per example.
 LESSON_PACKAGES = {

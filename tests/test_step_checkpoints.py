@@ -24,8 +24,8 @@ SCRIPT = "by_feature/step_checkpoints.py"
 N = 4096  # the example's dataset
 EVERY = 20  # --save_every_steps
 SMALL = ("--input_size", "20", "--save_every_steps", str(EVERY))
-RESUMED = re.compile(r"^Resuming from \S+ at epoch (\d+), sample (\d+) of \d+ \(step (\d+), saved at world size (\d+)\)",
-                     re.M)
+RESUMED = re.compile(r"^Resuming from \S+ at epoch (\d+), sample (\d+) of \d+ "
+                     r"\(step (\d+), saved at world size (\d+)\)", re.M)
 
 
 def probe_env(directory):
@@ -226,7 +226,8 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
         return children(job.pid)[0]
 
     def node(number):
-        return start([sys.executable, "-m", "diagnose", "--timeout", "30", BIN / "torchrun", "--nnodes=1:2", "--nproc_per_node=1", "--max_restarts=3", "--rdzv_id=steps",
+        return start([sys.executable, "-m", "diagnose", "--timeout", "30", BIN / "torchrun", "--nnodes=1:2",
+                      "--nproc_per_node=1", "--max_restarts=3", "--rdzv_id=steps",
                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                       f"--rdzv_conf={RDZV_CONF.replace('last_call_timeout=1', 'last_call_timeout=5')}",
                       REPO / SCRIPT, *SMALL, "--epochs", str(EPOCHS), "--global_batch_size", "32", "--timeout", "30"],
@@ -263,7 +264,7 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
     starts = [0] + [step for step, *_ in resumes]
     ends = [step for step, *_ in resumes] + [EPOCHS * 128]
     assert 0 < resumes[0][2] < N, "node 0 went on alone mid-epoch"
-    for (step, epoch, position, _), previous in zip(resumes, rounds):
+    for (step, *_), previous in zip(resumes, rounds):
         assert 0 <= max(p[4] for p in previous) + starts[rounds.index(previous)] - step <= EVERY, "lost more than N"
     used = [Counter() for _ in range(EPOCHS)]
     for start_step, end_step, group in zip(starts, ends, rounds):

@@ -15,7 +15,8 @@ import conftest
 from conftest import (MNIST, REPO, assert_bitwise_equal, check_no_abort, collectives_issued, epoch_lines, free_port,
                       load_snapshot, summary)
 from test_clients import SCRIPTS as CLIENT_SCRIPTS
-from test_slurm import WHY_NOT, cluster, job_env, launched_on  # noqa: F401  cluster: the fixture, a cluster per module
+from test_slurm import WHY_NOT, job_env, launched_on
+from test_slurm import cluster as cluster_fixture  # noqa: F401  the fixture, found by its name (cluster): one a module
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 # script: (first submission's arguments, the second's). Steps 3 and 4: the by_feature scripts run as step 3 does,

@@ -199,11 +199,13 @@ def test_bad_magic_and_count_mismatch_name_the_file(mnist_dir, tmp_path):
     write_idx(str(tmp_path / "t10k-labels-idx1-ubyte.gz"), read_idx(str(mnist_dir / "t10k-labels-idx1-ubyte.gz"))[:-1])
     folder = re.escape(str(tmp_path))
     with pytest.raises(SystemExit, match=rf"^error: cannot load {folder} \(the test files in {folder} hold "
-                                         r"\(2000, 28, 28\) images and \(1999,\) labels: they do not belong together\)"):
+                                         r"\(2000, 28, 28\) images and \(1999,\) labels: they do not belong "
+                                         r"together\)"):
         load_splits(str(tmp_path))
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x07\x01" + bytes(100))
-    with pytest.raises(SystemExit, match=r"t10k-labels-idx1-ubyte is not an IDX file of bytes \(magic number 00000701\)"):
+    with pytest.raises(SystemExit,
+                       match=r"t10k-labels-idx1-ubyte is not an IDX file of bytes \(magic number 00000701\)"):
         load_splits(str(tmp_path))
 
 

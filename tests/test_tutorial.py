@@ -198,8 +198,9 @@ def test_more_processes_than_devices_train_on_the_cpu(tmp_path):
     loaded by every launched process). Two processes under torchrun do not share it: both train on the CPU, with
     gloo, and the first line says so."""
     env = clean_env(DDP_EXAMPLES_PROBE_FAKE_MPS=1)
-    seen = run([BIN / "python", "-c", "import torch; print(torch.accelerator.current_accelerator(check_available=True), "
-                "torch.accelerator.device_count(), torch.backends.mps.is_available())"], cwd=tmp_path, env=env)
+    seen = run([BIN / "python", "-c", "import torch; print(torch.accelerator.current_accelerator("
+                "check_available=True), torch.accelerator.device_count(), torch.backends.mps.is_available())"],
+               cwd=tmp_path, env=env)
     assert seen.stdout.split() == ["mps", "1", "True"], "the probe must make torch report one mps device"
     out = run(torchrun_cmd("multigpu_torchrun.py", "2", "1"), cwd=tmp_path, env=env).stdout
     assert out.splitlines()[0] == "Training on 2 processes | device cpu | backend gloo", out[-2000:]

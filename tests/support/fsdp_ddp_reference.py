@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from models_and_data import BlockMLP, regression_dataset  # noqa: E402
+from models_and_data import BlockMLP, regression_dataset
 
 
 def main(out, epochs, batch_size, seed=0):

@@ -18,7 +18,8 @@ On request, through the environment:
 - DDP_EXAMPLES_PROBE_FAKE_MPS=1: torch reports one mps device, as on Apple silicon, for the scripts' choice of
   device (more processes than devices train on the CPU); the device itself is never touched.
 - DDP_EXAMPLES_PROBE_SAMPLES=DIR: each process writes DIR/rank<R>-restart<C>-<pid>.jsonl, a line per event:
-  first {"start": time, "rank": R, "world_size": W}, then {"iter": N} when a DataLoader starts its N-th pass (an epoch, or what is left of one), {"batch": [indices]}
+  first {"start": time, "rank": R, "world_size": W}, then {"iter": N} when a DataLoader starts its N-th pass (an
+  epoch, or what is left of one), {"batch": [indices]}
   for every batch a DataLoader fetches, {"step": N} after every optimizer step (N counted in this process), so
   that a test can count which samples each step trained on, and how many steps a killed process finished.
   With DDP_EXAMPLES_PROBE_STEP_DELAY=S, each optimizer step also sleeps S seconds: the pace of a larger model, so

@@ -7,6 +7,7 @@ file beside an example you copy: it imports nothing but torch and the standard l
 import gzip
 import os
 import struct
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -108,8 +109,11 @@ MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 def read_idx(path):
     """An IDX file of bytes (plain or .gz) as a uint8 tensor, its header checked against its size. A file that
     is not one raises ValueError naming it."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
-        data = f.read()
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+            data = f.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:  # gzip's own message does not name the file
+        raise ValueError(f"{path} is not a whole gzip file ({error})") from None
     if len(data) < 4 or data[:3] != b"\x00\x00\x08":  # 0x08: unsigned bytes, what MNIST holds
         raise ValueError(f"{path} is not an IDX file of bytes (magic number {data[:4].hex() or 'none'})")
     shape = struct.unpack(f">{data[3]}I", data[4:4 + 4 * data[3]])

@@ -1,4 +1,5 @@
 """train.py (the Hugging Face Trainer script) under python, torchrun and mpirun, on real MNIST digits."""
+import gzip
 import json
 import math
 import re
@@ -207,6 +208,13 @@ def test_bad_magic_and_count_mismatch_name_the_file(mnist_dir, tmp_path):
     with pytest.raises(SystemExit,
                        match=r"t10k-labels-idx1-ubyte is not an IDX file of bytes \(magic number 00000701\)"):
         load_splits(str(tmp_path))
+    # A damaged .gz (gzip's own message names no file) and a cut one: the line names the file.
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    for damaged in (b"not gzip at all", gzip.compress(bytes(range(256)) * 40)[:100]):
+        (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(damaged)
+        with pytest.raises(SystemExit, match=rf"^error: cannot load {folder} \({folder}/t10k-labels-idx1-ubyte\.gz "
+                                             r"is not a whole gzip file \("):
+            load_splits(str(tmp_path))
 
 
 @pytest.mark.slow

@@ -51,11 +51,11 @@ class BlockMLP(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, output_size)
 
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
+    def forward(self, x):  # a pipeline stage sets the parts it does not own to None: names stay the full model's
+        x = x if self.inp is None else self.inp(x)
+        for block in filter(None, self.blocks):
             x = block(x)
-        return self.out(self.norm(x))
+        return x if self.out is None else self.out(self.norm(x))
 
 
 class LinearClassifier(nn.Module):

@@ -133,9 +133,9 @@ class Trainer:
         # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both.
         self.schedule.step(*[source] * self.stage.is_first, target=targets if self.stage.is_last else None,
                            losses=losses if self.stage.is_last else None)
-        self.optimizer.step()  # each stage steps its own parameters: no communication
         self.synchronize()
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
+        self.optimizer.step()  # each stage steps its own parameters: no communication
         return sum(losses, torch.zeros((), device=self.device, dtype=self.dtype)).detach()
 
     def _run_epoch(self, epoch):

@@ -18,10 +18,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.distributed.nn  # noqa: F401  imported before any process group: docs/failures.md, clean exits
+import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import DataLoader
 
 from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, memory_report
@@ -93,7 +94,8 @@ class Trainer:
             source, targets = source.to(self.device), targets.to(self.device)
             loss_sum += self._run_batch(source, targets, step_size)
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
-            if self.save_every_steps and self.steps_done % self.save_every_steps == 0 and self.position < self.sampler.size:
+            mid_epoch = self.position < self.sampler.size
+            if self.save_every_steps and self.steps_done % self.save_every_steps == 0 and mid_epoch:
                 self._save()  # mid-epoch: the epochs done, and how far into this one's order
             self.checkpoints.commit(wait=False)  # a checkpoint whose save has returned is marked complete now
         dist.all_reduce(loss_sum)  # the squared errors of all ranks
@@ -125,19 +127,40 @@ class Trainer:
                  f"backend {dist.get_backend()}")
 
 
-def load_train_objs(seed, mesh, amp):
-    torch.manual_seed(seed)
+def load_train_objs(seed, mesh, amp, device):
     train_set = regression_dataset(2048, seed=seed)
-    model = BlockMLP(input_size=20)  # the same weights on every rank; each keeps its shard of them
+    with torch.device("meta"):  # shapes without storage: the full model never exists on one rank
+        model = BlockMLP(input_size=20)
     # --amp: blocks gathered and computed in bf16; gradients reduced, and weights kept, in fp32.
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = bf16 if amp else MixedPrecisionPolicy()  # by default everything in the weights' dtype
     for block in model.blocks:  # each block is gathered for its forward and its backward, and freed after
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: input, norm and output layers
+    init_shards(model, seed, device)  # storage for this rank's shards alone, and their first weights
     # On the shards, so its state is sharded too; foreach: one call for all of them, not one each.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
     return train_set, model, optimizer
+
+
+def init_shards(model, seed, device):
+    """Each rank's shards of the weights BlockMLP would start with after torch.manual_seed(seed), one layer at a
+    time: the layer in full on the CPU, this rank's part of it kept. (Random init on the shards themselves would
+    draw other numbers on the CPU, the same on every rank.)"""
+    model.to_empty(device=device)
+    with torch.device("meta"):
+        full_model = BlockMLP(input_size=20)  # a second skeleton: its layers made in full one at a time
+    torch.manual_seed(seed)  # layers in the order the constructor makes them, so the same numbers it would draw
+    for layer, full in zip(model.modules(), full_model.modules()):
+        if next(full.parameters(recurse=False), None) is None:
+            continue
+        full.to_empty(device="cpu", recurse=False)
+        full.reset_parameters()
+        with torch.no_grad():
+            for shard, weights in zip(layer.parameters(recurse=False), full.parameters(recurse=False)):
+                shard.copy_(distribute_tensor(weights.to(device), shard.device_mesh, shard.placements,
+                                              src_data_rank=None))  # every rank holds the layer: no sends
+        full.to_empty(device="meta", recurse=False)  # freed
 
 
 def group_store(rank, world_size, timeout):
@@ -195,7 +218,7 @@ def main(args):
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,))  # one dimension: shard over all ranks
-    dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp)
+    dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp, device)
     # Every rank builds the same dataset (same seed). Each step takes the next global batch of the epoch's order and
     # gives every rank a piece; the position in that order is what a mid-epoch checkpoint keeps.
     sampler = GlobalOrderSampler(len(dataset), rank, world_size, args.global_batch_size or args.batch_size * world_size,

@@ -7,6 +7,7 @@ import pytest
 import torch
 from benchmarks import clean_exit, launches
 from conftest import REPO, mpi_env, mpirun_cmd, python_cmd, run, torchrun_cmd
+from models_and_data import BlockMLP
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -156,3 +157,19 @@ def test_restart_store_counts_each_way_and_the_group_store_uses_its_restarts(tmp
     for way in results.values():
         assert way["finished"] + way["burned"] + way["hung"] == 1
     assert results["group_store"]["finished"] == 1 and results["env"]["finished"] == 1, results
+
+
+def test_fsdp_memory_measures_the_meta_build_below_the_full_model(tmp_path):
+    """fsdp.py's build from the meta device: each rank's peak is its shard and one layer in full, below the full
+    model's parameters; building the full model first peaks above them. Measured (peak RSS), at a width where the
+    parameters (32 MiB) dwarf the allocator's noise."""
+    result = run([sys.executable, REPO / "benchmarks/fsdp_memory.py", "--width", "512", "--out", tmp_path], cwd=REPO,
+                 timeout=240)
+    data = json.loads((tmp_path / "fsdp_memory.json").read_text())
+    full = data["full_bytes"]
+    assert full == 4 * sum(p.numel() for p in BlockMLP(20, 512, 2048, 4).parameters())
+    for meta, first in zip(data["results"]["meta"], data["results"]["full"]):
+        assert meta["shard_bytes"] < 0.51 * full
+        assert meta["shard_bytes"] < meta["peak_bytes"] < 0.8 * full, meta
+        assert first["peak_bytes"] > full, first
+    assert "Rank 1: peak 0." in result.stdout

@@ -1,7 +1,7 @@
 """The documentation cannot rot: every shell command in README.md and docs/ names scripts that exist and flags
 their parsers (or the launcher's) accept; a page's ```bash run block, if it has one (a launch no dedicated test
 makes), runs as written, at a small size; every relative link, and every #anchor in it, resolves; the pages
-together stay within about 90 KB.
+together stay within about 120 KB.
 
 A ```bash run block runs in a fresh copy of the repository, with this environment's python, torchrun and mpirun
 on PATH. "At a small size": epoch counts above 2 become 2 (--total_epochs, --epochs, --num_train_epochs and the
@@ -157,7 +157,7 @@ def test_every_page_shows_a_command_and_runs_at_most_one_block():
             f"{page_id(page)}: at most one ```bash run block, its main command"
 
 
-DOCS_BUDGET = 92_160  # bytes: README.md and docs/ together, about 90 KB, read in an evening
+DOCS_BUDGET = 122_880  # bytes: README.md and docs/ together, about 120 KB (90 KB before N-D parallelism)
 
 
 def test_the_docs_total_at_most_about_90_kb():

@@ -1,10 +1,13 @@
-"""python -m diagnose on a DDP script of the user's own: written here, torch only, no timeout given to
-init_process_group (gloo's default is 30 minutes), importing nothing of this repository. Under each launcher a
-rank is stopped, killed, skips a collective or calls another shape; the tool's one line names the rank, the
-collective and the script's line, and the job ends within --timeout plus about 30 seconds with nothing left
-running (conftest fails a test whose processes outlive it). srun's case is in test_slurm.py, beside its cluster.
+"""torchdiagnose (as `python -m diagnose`, the package requirements-dev.txt installs) on a DDP script of the user's
+own: written here, torch only, no timeout given to init_process_group (gloo's default is 30 minutes), importing
+nothing of this repository, run with nothing of the repository on PYTHONPATH. A rank stalls, is killed, skips a
+collective or calls another shape; the tool's one line names the rank, the collective and the script's line, and
+the job ends within --timeout plus about 30 seconds with nothing left running (conftest fails a test whose
+processes outlive it). The wheel installed in a venv of its own, under each launcher, with the other shapes of
+user scripts: test_diagnose_installed.py. srun's case is in test_slurm.py, beside its cluster.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +20,7 @@ import torch
 
 from conftest import BIN, REPO, check_no_abort, clean_env, free_port, kill_launched, launched_pids, mpi_env, start
 
+SOURCE = REPO / "diagnose" / "src"
 TIMEOUT = 6  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
 DEADLINE_S = TIMEOUT + 30  # from the fault to the job's end
 HANG_GUARD_S = 180
@@ -109,10 +113,10 @@ def launch(launcher, script, nproc=2):
 
 
 def env_for(launcher, **extra):
-    # The tests run the tool from their own folder (its flight recorder dumps go there), with the repository on
-    # PYTHONPATH; MASTER_PORT serves mp.spawn and mpirun.
+    # The tests run the tool from their own folder (its flight recorder dumps go there); MASTER_PORT serves
+    # mp.spawn and mpirun.
     base = mpi_env if launcher == "mpirun" else clean_env
-    return base(MASTER_PORT=free_port(), PYTHONPATH=REPO, **extra)
+    return base(MASTER_PORT=free_port(), **extra)
 
 
 def watch(cmd, env, cwd, aborts=False):
@@ -133,9 +137,15 @@ def watch(cmd, env, cwd, aborts=False):
 
 
 def the_line(lines):
-    """The tool's line: exactly one (one host), whatever the launcher printed around it."""
+    """The tool's line: exactly one (one host), whatever the launcher printed around it; the prefix says it again
+    as the job's last line, after the launcher's report."""
     found = [line for _, line in lines if line.startswith("diagnose: ")]
     assert len(found) == 1, "\n".join(line for _, line in lines)[-5000:]
+    verdict = found[0].replace("diagnose: ", "torchdiagnose: verdict: ", 1).removesuffix(
+        " (--keep-waiting: the job goes on waiting)")
+    if lines[-1][1] != found[0] and not found[0].endswith("(--keep-waiting: the job goes on waiting)"):
+        # (a line said before anything started is the only one)
+        assert lines[-1][1] == verdict, "\n".join(line for _, line in lines)[-5000:]
     return found[0]
 
 
@@ -148,7 +158,8 @@ def ended_in_time(lines, fault):
 LAUNCHERS = ["torchrun", "mp.spawn", "mpirun"]
 
 
-@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.quick), "mp.spawn", "mpirun"])
+@pytest.mark.quick
+@pytest.mark.parametrize("launcher", ["torchrun"])  # mp.spawn and mpirun: test_diagnose_installed.py
 def test_a_stalled_rank_is_named_with_the_line_where_it_stands(tmp_path, launcher):
     code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="stall"),
                         tmp_path)
@@ -156,12 +167,12 @@ def test_a_stalled_rank_is_named_with_the_line_where_it_stands(tmp_path, launche
     assert code != 0
     assert line.startswith("diagnose: collective #12 (all_reduce of [1409], DDP's gradients in backward() at "
                            f"{line_of('the backward line')}) waited more than --timeout {TIMEOUT}s"), line
-    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('the stall')}" in line, line
-    assert "torchfrtrace fr_traces/" in line, line
+    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('the stall')}, idle" in line, line
+    assert "flight recorder: `torchfrtrace fr_traces/" in line, line  # both ranks answered, so both dump
     ended_in_time(lines, "stall")
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])  # mp.spawn: test_diagnose_installed.py
 def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path, launcher):
     code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="die"),
                         tmp_path)
@@ -171,27 +182,24 @@ def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path, launcher):
                            f"{line_of('the backward line')}) failed ("), line
     # mpirun is no Python process: it cannot pass the signal on, and its own report names it.
     gone = "rank 1 is gone: its process ended" if launcher == "mpirun" else "rank 1 is gone: killed by SIGKILL"
-    assert gone in line, line
+    assert gone in line and "no torchfrtrace: rank 1 did not answer" in line, line
     killed = next(moment for moment, text in lines if ": die at step" in text)
     said = next(moment for moment, text in lines if text.startswith("diagnose: "))
     assert said - killed < 10, f"the line came {said - killed:.0f}s after the kill"
 
 
 def test_a_skipped_collective_names_both_sides_and_torchfrtrace_reads_the_dumps(tmp_path):
-    # From the repository root, as the docs show, with nothing on PYTHONPATH: the dumps land in fr_traces/ there.
+    # The dumps land in fr_traces/ of the folder the tool runs in.
     code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))),
-                        clean_env(MASTER_PORT=free_port(), FAULT="skip"), REPO)
+                        clean_env(MASTER_PORT=free_port(), FAULT="skip"), tmp_path)
     line = the_line(lines)
     assert code != 0
     assert ("the ranks wait in different collectives: rank 0 in all_gather of [2] at "
             f"{line_of('the all_gather line')}; rank 1 in all_reduce of [1409], DDP's gradients in backward() at "
             f"{line_of('the backward line')}") in line, line
     folder = line.split("torchfrtrace ")[1].split("`")[0]
-    assert sorted(p.name for p in (REPO / folder).iterdir()) == ["rank_0", "rank_1"]
-    try:
-        report = subprocess.run([BIN / "torchfrtrace", folder], cwd=REPO, capture_output=True, text=True, timeout=120)
-    finally:
-        subprocess.run(["rm", "-rf", REPO / folder])
+    assert sorted(p.name for p in (tmp_path / folder).iterdir()) == ["rank_0", "rank_1"]
+    report = subprocess.run([BIN / "torchfrtrace", folder], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "Culprit rank 1" in report.stdout + report.stderr, (report.stdout + report.stderr)[-3000:]
 
@@ -265,22 +273,10 @@ def test_workers_end_when_their_launcher_is_sigkilled(tmp_path):
     process.wait(timeout=30)
 
 
-def test_a_port_in_use_is_one_line(tmp_path):
-    import socket
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        code, lines = watch(diagnose_cmd(sys.executable, user_script(tmp_path)),
-                            clean_env(MASTER_PORT=port, PYTHONPATH=REPO), tmp_path)
-    line = the_line(lines)
-    assert code != 0 and f"port {port} is already in use" in line, line
-
-
 def test_nccl_without_a_gpu_is_one_line(tmp_path):
     script = tmp_path / "nccl.py"
     script.write_text('import torch.distributed as dist\ndist.init_process_group("nccl", rank=0, world_size=1)\n')
-    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), PYTHONPATH=REPO)
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     code, lines = watch(diagnose_cmd(sys.executable, script), env, tmp_path)
     assert code != 0
     assert "NCCL needs CUDA GPUs, and this process sees none" in the_line(lines)
@@ -299,17 +295,19 @@ def test_bad_input_is_one_line(args, message):
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse's usage line, then the error
 
 
-def test_it_works_from_anywhere_and_with_torch_outside_its_pythons_own_packages(tmp_path):
-    """From another folder, with the repository on PYTHONPATH, under a venv that finds torch through a .pth file
-    in a folder of no Python's own (as a venv over a container image's torch can): torch's frames are still not
-    taken for the user's line."""
+def test_it_works_with_torch_outside_its_pythons_own_packages(tmp_path):
+    """Under a venv that finds torch through a .pth file in a folder of no Python's own (as a venv over a container
+    image's torch can), the tool installed there as pip installs it editable (a .pth to its source, and its hook's
+    .pth): torch's frames are still not taken for the user's line."""
     venv, elsewhere = tmp_path / "venv", tmp_path / "torch-packages"
     elsewhere.symlink_to(Path(torch.__file__).parent.parent)  # the frames' paths then start here
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     python = venv / "bin" / "python"
-    packages = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              check=True, capture_output=True, text=True).stdout.strip()
-    (Path(packages) / "elsewhere.pth").write_text(f"{elsewhere}\n")
+    packages = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   check=True, capture_output=True, text=True).stdout.strip())
+    (packages / "elsewhere.pth").write_text(f"{elsewhere}\n")
+    (packages / "_torchdiagnose.pth").write_text(f"{SOURCE}\n")
+    shutil.copy(SOURCE / "torchdiagnose-hook.pth", packages)
     cmd = [python, "-m", "diagnose", "--timeout", str(TIMEOUT), python, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node=2", user_script(tmp_path)]
     code, lines = watch(cmd, env_for("torchrun", FAULT="stall"), tmp_path)
@@ -320,26 +318,13 @@ def test_it_works_from_anywhere_and_with_torch_outside_its_pythons_own_packages(
 
 
 def test_the_private_torch_apis_it_uses_exist():
-    """diagnose/rank.py's docstring lists the private torch APIs it uses; a torch upgrade that removes one fails
-    here, by name, instead of the tool going quiet."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-    import torch.multiprocessing.spawn  # noqa: F401  (the name torch.multiprocessing.spawn is the function)
-    spawn = sys.modules["torch.multiprocessing.spawn"]
-    missing = [name for name, present in [
-        ("torch._C._distributed_c10d._dump_fr_trace", hasattr(torch._C._distributed_c10d, "_dump_fr_trace")),
-        ("ProcessGroup._get_sequence_number_for_group",
-         hasattr(dist.ProcessGroup, "_get_sequence_number_for_group")),
-        ("distributed_c10d._get_default_store", hasattr(c10d, "_get_default_store")),
-        ("distributed_c10d._world.pg_names", hasattr(getattr(c10d, "_world", None), "pg_names")),
-        ("torch.multiprocessing.spawn._wrap", hasattr(spawn, "_wrap")),
-        ("Store.clone", hasattr(dist.Store, "clone")),
-    ] if not present]
-    assert not missing, f"torch {torch.__version__} no longer has {missing}: diagnose/rank.py needs another way"
-    documented = (REPO / "diagnose" / "rank.py").read_text().split('"""')[1]
-    for name in ("_dump_fr_trace", "_get_sequence_number_for_group", "_get_default_store", "_wrap"):
-        assert name in documented, name
+    """diagnose/rank.py's PRIVATE_APIS, each found in this torch; a torch upgrade that removes one fails here, by
+    name (and under the tool, the job says it in one line and runs as without it: test_diagnose_installed.py)."""
+    from diagnose import rank
+    assert rank.missing_api() is None, f"torch {torch.__version__} has no {rank.missing_api()}"
+    documented = (SOURCE / "diagnose" / "rank.py").read_text().split('"""')[1]
+    for name in rank.PRIVATE_APIS:
+        assert name.rsplit(".", 1)[-1] in documented, name
 
 
 @pytest.mark.parametrize("rank, cause", [(1, "nothing answers at 127.0.0.1:"),
@@ -350,7 +335,7 @@ def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_
     started = time.monotonic()
     code, lines = watch(diagnose_cmd(sys.executable, user_script(tmp_path)),
                         clean_env(RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
-                                  PYTHONPATH=REPO), tmp_path)
+                                  ), tmp_path)
     assert code != 0
     line = the_line(lines)
     assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: ") and cause in line, line
@@ -363,14 +348,38 @@ def test_the_line_at_three_ranks_names_each_rank_by_what_it_does():
     from diagnose import lines
     question = {"by": 0, "reason": "timeout", "waited": 7.0, "timeout": 6.0, "folder": "fr_traces/x"}
     waiting = {"rank": 0, "running": [{"seq": 9, "kind": "all_reduce", "shapes": "[10]", "group": "0", "waited": 7.0}],
-               "where": "train.py:40", "inner": None, "backward": True, "error": None}
-    stuck = {"rank": 1, "running": [], "where": "train.py:31", "inner": "queue.get", "backward": False, "error": None}
-    line = lines.compose(question, {0: waiting, 1: stuck}, {2: {"pid": 77, "host": "n1", "exit": -9}}, 3)
+               "where": "train.py:40", "inner": None, "backward": True, "error": None, "recorder": True}
+    busy = {"rank": 1, "running": [], "where": "train.py:31", "inner": "torch/nn/functional.py:2910 in layer_norm",
+            "backward": False, "error": None, "busy": 0.9, "recorder": True}
+    line = lines.compose(question, {0: waiting, 1: busy}, {2: {"pid": 77, "host": "n1", "exit": -9}}, 3)
     assert line.startswith("diagnose: collective #9 (all_reduce of [10], DDP's gradients in backward() at train.py:40) "
                            "waited more than --timeout 6s: "), line
-    assert "rank 1 did not arrive: it is alive, in its own code at train.py:31, in queue.get" in line, line
+    assert ("rank 1 did not arrive: it is alive, in its own code at train.py:31 (innermost: "
+            "torch/nn/functional.py:2910 in layer_norm), busy on the CPU") in line, line
     assert "rank 2 is gone: killed by SIGKILL (pid 77, on n1)" in line, line
-    assert line.endswith("`torchfrtrace fr_traces/x --allow-incomplete-ranks`; see docs/hangs.md"), line
+    assert line.endswith("no torchfrtrace: rank 2 did not answer, so wrote no flight recorder dump, and torchfrtrace "
+                         "compares every rank's; ranks 0, 1 wrote theirs to fr_traces/x"), line
+    stopped = lines.compose(question, {0: waiting, 1: busy}, {2: {"pid": 77, "host": "n1", "state": "T",
+                                                                 "stop_signal": "SIGSTOP", "local": True}}, 3)
+    assert "rank 2 is stopped by SIGSTOP (pid 77, on n1): it runs nothing until it gets SIGCONT" in stopped, stopped
+    every = lines.compose(question, {0: waiting, 1: busy, 2: dict(waiting, rank=2)}, {}, 3)
+    assert every.endswith("; flight recorder: `torchfrtrace fr_traces/x`"), every
+
+
+def test_the_call_site_in_the_script_comes_first_then_the_innermost_frame():
+    """A frame of the script the rank runs is the line named; below it, the innermost frame of the user's own code
+    and the innermost of all (a library's)."""
+    from traceback import FrameSummary
+
+    from diagnose import lines
+    script, model = str(REPO / "x" / "train.py"), str(REPO / "x" / "model.py")
+    library = str(Path(torch.__file__).parent / "nn" / "functional.py")
+    frames = [FrameSummary(script, 90, "<module>"), FrameSummary(script, 41, "evaluate"),
+              FrameSummary(model, 20, "forward"), FrameSummary(library, 2910, "layer_norm")]
+    where, inner = lines.user_site(frames, script=script)
+    assert where.endswith("train.py:41"), where
+    assert inner.endswith("model.py:20 in forward, then torch/nn/functional.py:2910 in layer_norm"), inner
+    assert lines.user_site(frames[:2], script=script) == (where, None)
 
 
 def test_two_nodes_whose_host_names_resolve_to_loopback_are_one_line(tmp_path):
@@ -443,8 +452,7 @@ def rendezvous_at(client, script, host, port):
                                     "accelerate", "mpirun", "mp.spawn"])
 def test_a_rendezvous_host_that_does_not_resolve_is_one_line_at_once(tmp_path, client):
     # Without the tool, torchrun's agent and init_process_group retry the name until their timeout (minutes).
-    env = (mpi_env if client == "mpirun" else clean_env)(PYTHONPATH=REPO, MASTER_ADDR=BAD_HOST,
-                                                          MASTER_PORT=free_port())
+    env = (mpi_env if client == "mpirun" else clean_env)(MASTER_ADDR=BAD_HOST, MASTER_PORT=free_port())
     began = time.monotonic()
     code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), BAD_HOST, free_port())), env,
                         tmp_path)
@@ -461,7 +469,7 @@ def test_a_rendezvous_port_in_use_is_one_line_at_once(tmp_path, client):
         taken.listen()
         port = taken.getsockname()[1]
         code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), "127.0.0.1", port)),
-                            clean_env(PYTHONPATH=REPO), tmp_path)
+                            clean_env(), tmp_path)
     line = the_line(lines)
     flag = "--main_process_port" if client == "accelerate" else "--master_port"
     assert code == 1 and f"port {port} is already in use" in line and flag in line, line
@@ -472,7 +480,7 @@ def test_a_host_the_script_itself_names_is_checked_in_the_rank(tmp_path):
     script.write_text(f'import torch.distributed as dist\ndist.init_process_group("gloo", "tcp://{BAD_HOST}:'
                       f'{free_port()}", rank=0, world_size=1)\n')
     began = time.monotonic()
-    code, lines = watch(diagnose_cmd(sys.executable, script), clean_env(PYTHONPATH=REPO), tmp_path)
+    code, lines = watch(diagnose_cmd(sys.executable, script), clean_env(), tmp_path)
     line = the_line(lines)
     assert code == 1 and f"'{BAD_HOST}' (init_method) does not resolve" in line, line
     assert time.monotonic() - began < 20

@@ -5,13 +5,12 @@ user's script under every launcher, are in test_diagnose.py; here run_with_mpiru
 by a wrapper that deadlocks one rank after an optimizer step.
 """
 import json
-import sys
 import threading
 import time
 
 import pytest
 
-from conftest import (REPO, assert_one_line_error, check_no_abort, clean_env, kill_launched, mpi_env, mpirun_cmd,
+from conftest import (BIN, REPO, assert_one_line_error, check_no_abort, clean_env, kill_launched, mpi_env, mpirun_cmd,
                       python_cmd, run, start, torchrun_cmd)
 
 TIMEOUT = 8  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
@@ -29,7 +28,8 @@ def line_of(marker, source=SOURCE, name="hangs.py"):
 
 
 def diagnosed(launch):
-    return [sys.executable, "-m", "diagnose", "--timeout", str(TIMEOUT), *map(str, launch)]
+    """torchdiagnose (the package requirements-dev.txt installs) in front of a launch."""
+    return [BIN / "torchdiagnose", "--timeout", str(TIMEOUT), *map(str, launch)]
 
 
 def watch(cmd, cwd, env=None, aborts=False):
@@ -51,9 +51,11 @@ def watch(cmd, cwd, env=None, aborts=False):
 
 
 def the_line(lines):
-    """The tool's line: exactly one (one host), whatever the launcher printed around it."""
+    """The tool's line: exactly one (one host), whatever the launcher printed around it; the job's last line says
+    it again, after the launcher's report."""
     found = [line for _, line in lines if line.startswith("diagnose: ")]
     assert len(found) == 1, "\n".join(line for _, line in lines)[-5000:]
+    assert lines[-1][1] == found[0].replace("diagnose: ", "torchdiagnose: verdict: ", 1), lines[-1][1]
     return found[0]
 
 
@@ -69,7 +71,7 @@ def ends_in_time(lines, fault_fragment, deadline=DEADLINE_S):
 def hangs_py(cwd, fault, aborts=False):
     """hangs.py under the tool and torchrun, rank 1 breaking at step 3: (exit code, the tool's line, lines)."""
     launch = torchrun_cmd("hangs.py", "--fault", fault, "--fault_rank", "1", "--at_step", "3")
-    code, lines = watch(diagnosed(launch), cwd, clean_env(PYTHONPATH=REPO), aborts)
+    code, lines = watch(diagnosed(launch), cwd, clean_env(), aborts)
     assert code != 0
     ends_in_time(lines, f"rank 1: --fault {fault} at step 3")
     return the_line(lines), lines
@@ -81,7 +83,7 @@ GATHER = f"all_gather of [2] at {line_of('dist.all_gather(gathered, stats)')}"
 
 @pytest.mark.quick
 def test_without_a_fault_it_trains_and_the_tool_says_nothing(tmp_path):
-    code, lines = watch(diagnosed(torchrun_cmd("hangs.py", "--steps", "12")), tmp_path, clean_env(PYTHONPATH=REPO))
+    code, lines = watch(diagnosed(torchrun_cmd("hangs.py", "--steps", "12")), tmp_path, clean_env())
     output = "\n".join(line for _, line in lines)
     assert code == 0, output[-3000:]
     assert "Trained 12 steps: no fault, no hang" in output and "diagnose:" not in output, output[-3000:]
@@ -90,9 +92,9 @@ def test_without_a_fault_it_trains_and_the_tool_says_nothing(tmp_path):
 def test_a_skipped_collective_is_named_on_both_sides(tmp_path):
     """Rank 1 skips the step's all_gather and goes on to the next step's gradient all_reduce."""
     line, _ = hangs_py(tmp_path, "skip")
-    assert line.startswith(f"diagnose: collective #") and f"({GATHER}) waited more than --timeout {TIMEOUT}s" in line
+    assert line.startswith("diagnose: collective #") and f"({GATHER}) waited more than --timeout {TIMEOUT}s" in line
     assert f"the ranks wait in different collectives: rank 0 in {GATHER}; rank 1 in {BACKWARD}" in line, line
-    assert "torchfrtrace fr_traces/" in line, line
+    assert "flight recorder: `torchfrtrace fr_traces/" in line, line
 
 
 def test_another_collective_is_named_on_both_sides(tmp_path):
@@ -111,7 +113,7 @@ def test_another_shape_aborts_its_rank_and_is_named(tmp_path):
 @pytest.mark.quick
 def test_a_rank_stuck_in_its_own_code_is_named_with_its_line(tmp_path):
     line, lines = hangs_py(tmp_path, "stall")
-    assert line.startswith(f"diagnose: collective #") and f"({BACKWARD}) waited more than --timeout {TIMEOUT}s" in line
+    assert line.startswith("diagnose: collective #") and f"({BACKWARD}) waited more than --timeout {TIMEOUT}s" in line
     assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('lock.acquire()  # never returns')}" \
         in line, line
     assert ends_in_time(lines, "rank 1: --fault stall at step 3") > TIMEOUT, "rank 0 waited the tool's --timeout"
@@ -119,7 +121,7 @@ def test_a_rank_stuck_in_its_own_code_is_named_with_its_line(tmp_path):
 
 def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path):
     line, lines = hangs_py(tmp_path, "die")
-    assert line.startswith(f"diagnose: collective #") and "failed (" in line, line
+    assert line.startswith("diagnose: collective #") and "failed (" in line, line
     assert "rank 1 is gone: killed by SIGKILL" in line, line
     killed = next(moment for moment, text in lines if "--fault die at step 3" in text)
     said = next(moment for moment, text in lines if text.startswith("diagnose: "))
@@ -164,7 +166,7 @@ def test_mpirun_train_under_the_tool_names_a_stuck_rank(tmp_path):
     wrapper = tmp_path / "faulty.py"
     wrapper.write_text(FAULTY.format(repo=str(REPO), script=str(REPO / "run_with_mpirun.py")))
     launch = mpirun_cmd(wrapper, "--train", "--total_epochs", "1000", "--save_every", "1000")
-    code, lines = watch(diagnosed(launch), tmp_path, mpi_env(PYTHONPATH=REPO))
+    code, lines = watch(diagnosed(launch), tmp_path, mpi_env())
     assert code != 0
     line = the_line(lines)
     script = (REPO / "run_with_mpirun.py").read_text().splitlines()

@@ -121,7 +121,10 @@ def problem(host, port, where, hosts_here):
             socket.create_connection(("127.0.0.1", number), timeout=1).close()
         except OSError:
             return None
-        return lines.port_in_use(number, "--main_process_port" if where.startswith("--main") else "--master_port")
+        if where.startswith("--main"):
+            return lines.port_in_use(number, "pass another --main_process_port")
+        return lines.port_in_use(number, "pass another --master_port, or --rdzv_endpoint=HOST:0 under torchrun "
+                                         "--standalone")
     return None
 
 

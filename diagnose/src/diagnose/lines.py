@@ -13,8 +13,10 @@ import sys
 import sysconfig
 import time
 
-DOCS = "docs/hangs.md"
+from diagnose import names
+
 DUMP_ROOT = "fr_traces"
+BUSY = 0.5  # the share of samples in which a rank's main thread was running, above which it is busy, not idle
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -86,20 +88,40 @@ def _is_user(filename):
     return not os.path.abspath(filename).startswith(_NOT_USER)
 
 
-def user_site(frames):
-    """('file:line' of the innermost frame of the user's code, 'function' of the innermost frame of all where
-    that is not the user's), from traceback frames, outermost first."""
-    frames = list(frames)
+def main_script():
+    """The path of the script the process runs (mp.spawn's processes and torchrun's workers included), or None."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv and sys.argv[0] else None)
+    return os.path.abspath(path) if path and path.endswith(".py") else None
+
+
+def shown(filename):
+    """A frame's file as the line shows it: the user's relative to here (or its name), a library's from its
+    package's folder (torch/nn/functional.py)."""
+    path = os.path.abspath(filename)
+    for folder in sorted(_NOT_USER, key=len, reverse=True):
+        if path.startswith(folder):
+            return path[len(folder):]
+    relative = os.path.relpath(path)
+    return os.path.basename(path) if relative.startswith("..") else relative
+
+
+def user_site(frames, script=None):
+    """(where, inner) from traceback frames, outermost first. where: 'file:line' of the call in the user's script
+    (the innermost frame of the script the process runs; else of any code of the user's); inner: where the frames
+    end below it (the innermost frame of the user's own, then the innermost of all: 'model.py:40 in forward, then
+    torch/nn/functional.py:2910 in layer_norm'), None when they end there."""
+    frames = [f for f in frames if not f.filename.startswith("<")]
+    script = script or main_script()
     user = [f for f in frames if _is_user(f.filename)]
-    where = None
-    if user:
-        f = user[-1]
-        relative = os.path.relpath(f.filename)
-        where = f"{os.path.basename(f.filename) if relative.startswith('..') else relative}:{f.lineno}"
-    inner = None
-    if frames and (not user or frames[-1] is not user[-1]):
-        last = frames[-1]
-        inner = f"{os.path.splitext(os.path.basename(last.filename))[0]}.{last.name}"
+    in_script = [f for f in user if script and os.path.abspath(f.filename) == script]
+    site = (in_script or user or [None])[-1]
+    where = f"{shown(site.filename)}:{site.lineno}" if site else None
+    below = []
+    for frame in (user[-1] if user else None, frames[-1] if frames else None):
+        if frame is not None and frame is not site and frame not in below:
+            below.append(frame)
+    inner = ", then ".join(f"{shown(f.filename)}:{f.lineno} in {f.name}" for f in below) or None
     return where, inner
 
 
@@ -193,27 +215,74 @@ def _ended(code):
     return f"exited with code {code}"
 
 
+def process_state(known):
+    """What a process is, from node.describe() and who it is: 'stopped by SIGSTOP (pid 7, on vm)', or None."""
+    pid = f"pid {known['pid']}" if known.get("pid") else None
+    where = ", ".join(filter(None, [pid, f"on {known['host']}" if known.get("host") else None]))
+    ended = _ended(known.get("exit"))
+    if ended:
+        return f"{ended} ({where})"
+    if known.get("state") == "T":
+        if known.get("stop_signal"):
+            return f"stopped by {known['stop_signal']} ({where}): it runs nothing until it gets SIGCONT"
+        return f"stopped ({where}; SIGSTOP, or Ctrl-Z's SIGTSTP): it runs nothing until it gets SIGCONT"
+    if known.get("state") == "t":
+        debugger = f" (pid {known['tracer']})" if known.get("tracer") else ""
+        return f"stopped in a debugger{debugger} ({where})"
+    if known.get("state") in (None, "Z", "X") and known.get("pid") and known.get("local"):
+        return f"its process ended ({where}; the launcher's report says how)"
+    return None
+
+
 def _silent(rank, known):
     """What is known of a rank that did not answer."""
     pid = f"pid {known['pid']}" if known.get("pid") else None
     where = ", ".join(filter(None, [pid, f"on {known['host']}" if known.get("host") else None]))
-    ended = _ended(known.get("exit"))
-    if ended and known.get("exit") == -signal.SIGABRT:
-        return (f"rank {rank} is gone: {ended} ({where}); gloo aborts a process whose peer's collective does not "
-                "match its own (another shape or kind): TORCH_DISTRIBUTED_DEBUG=DETAIL names both sides")
-    if ended:
-        return f"rank {rank} is gone: {ended} ({where})"
-    if known.get("alive") is False:
-        return f"rank {rank} is gone: its process ended ({where}; the launcher's report says how)"
-    if known.get("alive"):
-        return (f"rank {rank} is alive ({where}) but does not answer: stuck in native code that holds Python's "
-                f"lock; see where with `py-spy dump --native --pid {known['pid']}`")
+    if known.get("exit") == -signal.SIGABRT:
+        return (f"rank {rank} is gone: {_ended(known['exit'])} ({where}); gloo aborts a process whose peer's "
+                "collective does not match its own (another shape or kind): TORCH_DISTRIBUTED_DEBUG=DETAIL names both "
+                "sides")
+    state = process_state(known)
+    if state and state.startswith("stopped"):
+        return f"rank {rank} is {state}"
+    if state:
+        return f"rank {rank} is gone: {state}"
+    if known.get("state"):
+        return (f"rank {rank} is alive ({where}) but does not answer: its Python does not run (native code that "
+                f"holds Python's lock: a C extension, a CUDA call); `py-spy dump --native --pid {known['pid']}` shows "
+                "where (pip install py-spy)")
     return f"rank {rank} did not answer ({where or 'never registered'}): gone, or out of reach"
+
+
+def _elsewhere(rank, view):
+    text = f"rank {rank} did not arrive: it is alive, in its own code at {view.get('where') or '?'}"
+    if view.get("inner"):
+        text += f" (innermost: {view['inner']})"
+    busy = view.get("busy")
+    if busy is not None and busy >= BUSY:
+        text += (", busy on the CPU: a long phase on one rank (evaluation, a checkpoint) waits like a hang; if it is "
+                 "meant, give --timeout more than it takes")
+    elif busy is not None:
+        text += ", idle: it waits for something of its own (a lock, a queue, a file, a sleep)"
+    return text
+
+
+def _flight_recorder(answers, silent, world_size, folder):
+    """The hint at torchfrtrace when every rank writes its dump; else which ranks write none, and why."""
+    dumped = sorted(r for r, v in answers.items() if v.get("recorder"))
+    if len(dumped) == world_size:
+        return f"flight recorder: `torchfrtrace {folder}`"
+    if not dumped:
+        return "no flight recorder dumps: the recorder is off (TORCH_FR_BUFFER_SIZE=0) or recorded nothing"
+    missing = sorted(set(range(world_size)) - set(dumped))
+    why = "did not answer" if set(missing) <= set(silent) else "did not answer or recorded nothing"
+    return (f"no torchfrtrace: {ranks_text(missing)} {why}, so wrote no flight recorder dump, and torchfrtrace "
+            f"compares every rank's; {ranks_text(dumped)} wrote {'its' if len(dumped) == 1 else 'theirs'} to {folder}")
 
 
 def compose(question, answers, who, world_size):
     """The one line, from the question (why it was asked), the answers of the ranks that answered, and what is
-    known of those that did not (`who`: pid, host, exit code, whether alive)."""
+    known of those that did not (`who`: pid, host, and for this host's: exit code, state)."""
     detail = next((v["mismatch"] for v in answers.values() if v.get("mismatch")), None)
     if detail and len(detail["sides"]) >= 2:
         sides = "; ".join(f"rank {r} {side['what']}" + (f" at {answers[int(r)]['where']}"
@@ -222,7 +291,7 @@ def compose(question, answers, who, world_size):
         seq = next(iter(detail["sides"].values()))["seq"]
         return (f"diagnose: the ranks called different collectives at #{seq}: {sides}"
                 + (f" (they differ in {detail['aspects']})" if detail.get("aspects") else "")
-                + f"; TORCH_DISTRIBUTED_DEBUG=DETAIL stopped them before any waited; see {DOCS}")
+                + "; TORCH_DISTRIBUTED_DEBUG=DETAIL stopped them before any waited")
     waiting = {r: v["running"][0] for r, v in answers.items() if v.get("running")}
     elsewhere = sorted(r for r, v in answers.items() if not v.get("running") and not v.get("error"))
     failed = {r: v for r, v in answers.items() if v.get("error")}
@@ -255,9 +324,7 @@ def compose(question, answers, who, world_size):
         parts.append(f"the ranks wait in different collectives: {sides}{odd} (a rank skipped a collective, or "
                      "called another or another shape in its place)")
     for rank in elsewhere:
-        view = answers[rank]
-        inner = f", in {view['inner']}" if view.get("inner") else ""
-        parts.append(f"rank {rank} did not arrive: it is alive, in its own code at {view.get('where') or '?'}{inner}")
+        parts.append(_elsewhere(rank, answers[rank]))
     silent = sorted(set(range(world_size)) - set(answers))
     for rank in silent:
         parts.append(_silent(rank, who.get(rank, {})))
@@ -268,29 +335,61 @@ def compose(question, answers, who, world_size):
             parts.append("every rank is in it and it did not complete: the link between the ranks failed or is too "
                          "slow, or a collective of another group holds it")
     dumps = os.path.dirname(os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "")) or question["folder"]
-    incomplete = "" if not silent else " --allow-incomplete-ranks"
-    return (f"diagnose: {head}: " + "; ".join(parts)
-            + f"; flight recorder: `torchfrtrace {dumps}{incomplete}`; see {DOCS}")
+    return f"diagnose: {head}: " + "; ".join(parts) + "; " + _flight_recorder(answers, silent, world_size, dumps)
 
 
 def store_lost(me, reason):
     what = collective((me.get("running") or [{}])[0], me)
     return (f"diagnose: collective {what} {'failed' if reason == 'failed' else 'waits'} and the group's store "
             "does not answer either: its host (rank 0, or the launcher of its node) is gone or out of reach, so "
-            f"the other ranks could not be asked; see {DOCS}")
+            "the other ranks could not be asked")
 
 
-def port_in_use(port, flag="--master_port / MASTER_PORT"):
+def port_in_use(port, advice="pass another --master_port / MASTER_PORT, or --rdzv_endpoint=HOST:0 under torchrun "
+                             "--standalone"):
     return (f"diagnose: port {port} is already in use on this host (another job, or an earlier run still holding "
-            f"it): pass another {flag}, or --rdzv_endpoint=HOST:0 under torchrun --standalone")
+            f"it): {advice}")
 
 
-def startup_cause(error):
-    """One line for the start-up failures people ask about most, or None."""
+def port_advice(port, init_method, env, script=None):
+    """What to change for a port in use, where the port came from: the script's init_method, a MASTER_PORT the
+    script sets itself (its line), torchrun's options, or the environment."""
+    if init_method and str(init_method).startswith("tcp://"):
+        return "the script's init_method names it: change the port there"
+    launched = env.get(names.LAUNCH_MASTER_PORT)
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "pass torchrun another --master_port, or --rdzv_endpoint=HOST:0 under torchrun --standalone"
+    if launched is not None and env.get("MASTER_PORT") != (launched or None):
+        line = setting_line(script or main_script(), "MASTER_PORT")
+        where = f" at {line}" if line else ""
+        return (f"the script sets MASTER_PORT={port} itself{where}: change it there, or take it from the environment "
+                "when set (os.environ.setdefault) and run with another MASTER_PORT")
+    return "run with another MASTER_PORT (the environment's)"
+
+
+def setting_line(script, name):
+    """'script.py:N', the first line of `script` that sets the environment variable `name`, or None."""
+    try:
+        with open(script) as f:
+            source = f.read().splitlines()
+    except (OSError, TypeError):
+        return None
+    for number, text in enumerate(source, 1):
+        code = text.split("#")[0]
+        if name in code and re.search(rf"""['"]{name}['"]\s*\]\s*=|setdefault\(\s*['"]{name}|putenv\(\s*['"]{name}""",
+                                      code):
+            return f"{shown(script)}:{number}"
+    return None
+
+
+def startup_cause(error, port_hint=None):
+    """One line for the start-up failures people ask about most, or None. port_hint(port): the advice for a port
+    in use."""
     text = " ".join(str(error).split())
     port = re.search(r"port: (\d+)", text)
     if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return port_in_use(port[1] if port else "(MASTER_PORT)")
+        number = port[1] if port else "(MASTER_PORT)"
+        return port_in_use(number, port_hint(number)) if port_hint else port_in_use(number)
     loopback = re.search(r"remote=\[(127\.\d+\.\d+\.\d+)\]", text)
     if loopback and ("connectFullMesh" in text or "failed to connect" in text):
         return (f"diagnose: another node advertised {loopback[1]}, a loopback address, so this one cannot reach it: "
@@ -302,3 +401,39 @@ def startup_cause(error):
         return ("diagnose: NCCL needs CUDA GPUs, and this process sees none: use backend='gloo' on the CPU, or "
                 "dist.get_default_backend_for_device(torch.accelerator.current_accelerator(check_available=True))")
     return None
+
+
+def init_incomplete(waited, address, size, missing):
+    """init_process_group waited: its store answers, the group is not complete. `missing`: {rank: what is known of
+    its process on this host (node.describe() and pid), or None}; None when not known."""
+    head = (f"diagnose: init_process_group has waited {waited:g}s: the store at {address} answers, but the group "
+            f"of {size if size else '?'} ranks is not complete")
+    if not missing:
+        return (head + ": a rank has not started (check world_size and each rank's rank), or the ranks cannot reach "
+                "the addresses they advertise to each other")
+    parts = []
+    for rank, known in sorted(missing.items()):
+        if not known:
+            parts.append(f"rank {rank} has not called init_process_group, and no process of this host was started "
+                         "as it (another node's? check world_size and each rank's rank)")
+            continue
+        state = process_state(known)
+        if state and state.startswith("stopped"):
+            parts.append(f"rank {rank} has not called init_process_group: it is {state}")
+        elif state:
+            parts.append(f"rank {rank} is gone before init_process_group: {state}")
+        else:
+            parts.append(f"rank {rank} has not called init_process_group: it is alive (pid {known['pid']}), in its own "
+                         "code before it")
+    return head + ": " + "; ".join(parts)
+
+
+def init_unanswered(waited, address):
+    return (f"diagnose: init_process_group has waited {waited:g}s: nothing answers at {address} (the rendezvous "
+            "address: MASTER_ADDR and MASTER_PORT, or init_method): start rank 0 (or the first node) there, or give "
+            "the address of the machine it runs on; a firewall can drop the connection")
+
+
+def missing_api(name, torch_version, tested):
+    return (f"diagnose: torch {torch_version} has no {name}, a private API this tool reads (tested with torch "
+            f"{', '.join(tested)}): not watching this job, which runs as without the tool")

@@ -1,0 +1,322 @@
+"""torchdiagnose as a user gets it: the wheel built from diagnose/, installed in a venv of its own (torch from this
+machine's Python through --system-site-packages, nothing of the repository importable), run from a folder outside
+the repository on scripts written here in the shapes users write: the PyTorch DDP tutorial's (mp.spawn, MASTER_PORT
+set by the script, world_size passed to init_process_group; under mpirun too) and a torchrun script that evaluates
+on rank 0 while the others wait. Each case checks the words of its line and that the tool's last line repeats it
+after the launcher's report, the job ended at once, and no frame of the tool is in any traceback.
+"""
+import fcntl
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import conftest
+from conftest import BIN, REPO, TOKEN_VARIABLE, check_no_abort, free_port, kill_launched, mpi_env
+
+TIMEOUT = 6  # the tool's --timeout
+HANG_GUARD_S = 180
+ENDS_WITHIN_S = 15  # from the tool's line to the job's last line (a stopped rank took torchrun 30 s more)
+TOOL_FRAME = re.compile(r'File "[^"]*[/\\]diagnose[/\\]')
+
+SPAWN_SCRIPT = '''\
+"""The PyTorch DDP tutorial's shape: mp.spawn, MASTER_PORT set here, world_size passed to init_process_group."""
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+FAULT = os.environ.get("FAULT", "")
+
+
+def setup(rank, world_size):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "{port}"  # the tutorial's line
+    if FAULT == "stop_before_init" and rank == 1:
+        print("rank 1: stop_before_init", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def train(rank, world_size):
+    setup(rank, world_size)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(10):
+        if rank == 1 and step == 3 and FAULT in ("stall", "die"):
+            print(f"rank 1: {{FAULT}} at step 3", flush=True)
+            if FAULT == "stall":
+                time.sleep(3600)  # the stall
+            os.kill(os.getpid(), signal.SIGKILL)
+        optimizer.zero_grad()
+        model(torch.randn(32, 20)).pow(2).mean().backward()  # the backward line
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        train(int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"]))
+    else:
+        mp.spawn(train, args=(2,), nprocs=2)
+'''
+
+TORCHRUN_SCRIPT = '''\
+"""A torchrun script: env://, evaluation on rank 0 after each epoch while the others wait at a barrier."""
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+FAULT = os.environ.get("FAULT", "")
+
+
+def evaluate(model):
+    with torch.no_grad():
+        deadline = time.monotonic() + (3600 if FAULT == "slow" else 0)
+        while True:
+            model(torch.randn(256, 20))  # the evaluation
+            if time.monotonic() > deadline:
+                return
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for epoch in range(3):
+        for step in range(4):
+            if rank == 1 and epoch == 1 and step == 0 and FAULT == "stop":
+                print("rank 1: stop at epoch 1", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            optimizer.zero_grad()
+            model(torch.randn(32, 20)).pow(2).mean().backward()  # the backward line
+            optimizer.step()
+        if rank == 0:
+            print(f"rank 0: evaluation after epoch {epoch}", flush=True)
+            evaluate(model.module)  # rank 0 alone
+        dist.barrier()  # the barrier
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+OTHER_TORCH_SCRIPT = '''\
+"""A torch without one of the private APIs the tool reads: here, the flight recorder's reader, taken away."""
+import torch
+import torch.distributed as dist
+
+del torch._C._distributed_c10d._dump_fr_trace
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+dist.all_reduce(torch.ones(3))
+dist.destroy_process_group()
+print("done", flush=True)
+'''
+
+
+def line_of(script, marker):
+    found = [n for n, text in enumerate(script.splitlines(), 1) if marker in text]
+    assert len(found) == 1, marker
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def venv(tmp_path_factory):
+    """The wheel, built once (pytest-xdist's workers share it through a lock), installed into a fresh venv that
+    takes torch from this machine's Python."""
+    shared = tmp_path_factory.getbasetemp().parent / "torchdiagnose-installed"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        venv = shared / "venv"
+        if not (venv / "ready").exists():
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", shared / "wheels",
+                            REPO / "diagnose"], check=True, cwd=shared, timeout=300)
+            (wheel,) = (shared / "wheels").glob("torchdiagnose-*.whl")
+            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True, timeout=120)
+            subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel],
+                           check=True, cwd=shared, timeout=300)
+            (venv / "ready").write_text("")
+    return venv
+
+
+@pytest.fixture
+def elsewhere(tmp_path):
+    """A folder of the user's, outside the repository."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    assert REPO not in folder.parents
+    return folder
+
+
+def job_env(**extra):
+    """A fresh shell's environment, nothing of the repository on PYTHONPATH (not even the tests' probes), and the
+    tests' token, by which conftest finds and ends every process a test leaves."""
+    env = mpi_env(OMP_NUM_THREADS=1, OMP_WAIT_POLICY="PASSIVE", CUDA_VISIBLE_DEVICES="", **extra)
+    env.pop("PYTHONPATH", None)
+    env[TOKEN_VARIABLE] = conftest._current_token
+    return env
+
+
+def diagnosed(venv, cwd, *launch, **env):
+    """torchdiagnose --timeout TIMEOUT LAUNCH... to its end: (exit code, [(time, line)]); one still running after
+    HANG_GUARD_S fails the test."""
+    cmd = [str(venv / "bin" / "torchdiagnose"), "--timeout", str(TIMEOUT), *map(str, launch)]
+    process = subprocess.Popen(cmd, cwd=cwd, env=job_env(**env), text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    hung = threading.Event()
+    timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
+    timer.start()
+    lines = [(time.monotonic(), line.rstrip("\n")) for line in process.stdout]
+    process.wait()
+    timer.cancel()
+    output = "\n".join(line for _, line in lines)
+    if hung.is_set():
+        pytest.fail(f"still running after {HANG_GUARD_S}s:\n{output[-3000:]}")
+    check_no_abort(output, " ".join(cmd))
+    assert not TOOL_FRAME.search(output), f"a frame of the tool in a traceback:\n{output[-5000:]}"
+    return process.returncode, lines
+
+
+def verdict(code, lines):
+    """The tool's line (exactly one), which the job's last line repeats after the launcher's report; the job ended
+    within ENDS_WITHIN_S of it."""
+    output = "\n".join(line for _, line in lines)
+    found = [(moment, line) for moment, line in lines if line.startswith("diagnose: ")]
+    assert code != 0 and len(found) == 1, output[-5000:]
+    said, line = found[0]
+    assert lines[-1][1] == line.replace("diagnose: ", "torchdiagnose: verdict: ", 1), output[-5000:]
+    assert lines[-1][0] - said < ENDS_WITHIN_S, f"the job ended {lines[-1][0] - said:.0f}s after the line"
+    return line
+
+
+def test_the_wheel_installs_the_command_and_its_hook_and_nothing_of_the_repository(venv, elsewhere):
+    python = venv / "bin" / "python"
+    version = subprocess.run([venv / "bin" / "torchdiagnose", "--version"], cwd=elsewhere, env=job_env(),
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    assert version.startswith("torchdiagnose ") and f"tested with torch {torch.__version__.split('+')[0]}" in version
+    same = subprocess.run([python, "-m", "diagnose", "--version"], cwd=elsewhere, env=job_env(), capture_output=True,
+                          text=True, timeout=60, check=True).stdout
+    assert same == version
+    probe = ("import diagnose, importlib.util, sys; print(diagnose.__file__); "
+             "print(importlib.util.find_spec('models_and_data'), importlib.util.find_spec('benchmarks'), "
+             "'diagnose.hook' in sys.modules)")
+    found = subprocess.run([python, "-c", probe], cwd=elsewhere, env=job_env(), capture_output=True, text=True,
+                           timeout=60, check=True).stdout.split("\n")
+    # The wheel's: the global Python's editable install (requirements-dev.txt), which --system-site-packages lets
+    # this venv see too, comes after it on sys.path.
+    assert found[0].startswith(str(venv)), found
+    assert found[1] == "None None False", found  # nothing of the repository; the hook only under the prefix
+    hooked = subprocess.run([python, "-c", "import sys, diagnose.hook as h; print('diagnose.hook' in sys.modules, "
+                             "h.__file__)"], cwd=elsewhere, env=job_env(DIAGNOSE_TIMEOUT="5"), capture_output=True,
+                            text=True, timeout=60, check=True).stdout.split()
+    assert hooked[0] == "True" and hooked[1].startswith(str(venv)), hooked  # loaded at start-up, from the wheel
+
+
+def test_torchrun_a_stopped_rank_is_named_stopped_and_the_job_ends_at_once(venv, elsewhere):
+    """Rank 1 stops itself (SIGSTOP, as Ctrl-Z or a debugger would): named as stopped with the signal torchrun's
+    agent saw; no torchfrtrace hint (it wrote no dump); the tool ends the job and has the last word."""
+    (elsewhere / "train.py").write_text(TORCHRUN_SCRIPT)
+    code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node=2", "train.py", FAULT="stop")
+    line = verdict(code, lines)
+    assert f"at train.py:{line_of(TORCHRUN_SCRIPT, 'the backward line')}) waited more than --timeout" in line, line
+    assert re.search(r"rank 1 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs nothing until it gets SIGCONT",
+                     line), line
+    assert "no torchfrtrace: rank 1 did not answer, so wrote no flight recorder dump" in line, line
+    assert "Root Cause" in "\n".join(text for _, text in lines)  # torchrun's report, before the tool's last line
+
+
+def test_torchrun_evaluation_on_rank_0_is_named_at_the_scripts_call_then_the_innermost_frame(venv, elsewhere):
+    (elsewhere / "train.py").write_text(TORCHRUN_SCRIPT)
+    code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node=2", "train.py", FAULT="slow")
+    line = verdict(code, lines)
+    assert f"(barrier at train.py:{line_of(TORCHRUN_SCRIPT, 'the barrier')}) waited" in line, line
+    at = f"rank 0 did not arrive: it is alive, in its own code at train.py:{line_of(TORCHRUN_SCRIPT, 'the evaluation')}"
+    assert at in line and "(innermost: torch/nn/" in line and "busy on the CPU" in line, line
+    assert "flight recorder: `torchfrtrace fr_traces/" in line, line
+    folder = line.split("torchfrtrace ")[1].split("`")[0]
+    assert sorted(p.name for p in (elsewhere / folder).iterdir()) == ["rank_0", "rank_1"]
+
+
+def test_spawn_a_stalled_rank_is_named_with_its_line(venv, elsewhere):
+    script = SPAWN_SCRIPT.format(port=free_port())
+    (elsewhere / "tutorial.py").write_text(script)
+    code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py", FAULT="stall")
+    line = verdict(code, lines)
+    assert f"DDP's gradients in backward() at tutorial.py:{line_of(script, 'the backward line')}) waited" in line, line
+    assert (f"rank 1 did not arrive: it is alive, in its own code at tutorial.py:{line_of(script, 'the stall')}, "
+            "idle") in line, line
+    assert "flight recorder: `torchfrtrace fr_traces/" in line, line
+
+
+def test_spawn_a_killed_rank_is_named_with_its_signal(venv, elsewhere):
+    script = SPAWN_SCRIPT.format(port=free_port())
+    (elsewhere / "tutorial.py").write_text(script)
+    code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py", FAULT="die")
+    line = verdict(code, lines)
+    assert "failed (" in line and re.search(r"rank 1 is gone: killed by SIGKILL \(pid \d+", line), line
+
+
+def test_spawn_a_rank_stopped_before_init_is_named_and_the_size_comes_from_the_call(venv, elsewhere):
+    """No WORLD_SIZE in the environment: the group's size is the world_size the script passed; rank 1 has not
+    checked in, and it is stopped."""
+    script = SPAWN_SCRIPT.format(port=free_port())
+    (elsewhere / "tutorial.py").write_text(script)
+    code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py", FAULT="stop_before_init")
+    line = verdict(code, lines)
+    assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: the store at localhost:"), line
+    assert ("the group of 2 ranks is not complete: rank 1 has not called init_process_group: it is stopped "
+            "(pid") in line, line
+
+
+def test_spawn_a_port_in_use_names_the_scripts_own_line(venv, elsewhere):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        script = SPAWN_SCRIPT.format(port=port)
+        (elsewhere / "tutorial.py").write_text(script)
+        code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py")
+    line = verdict(code, lines)
+    setting = line_of(script, "the tutorial's line")
+    assert (f"port {port} is already in use on this host" in line
+            and f"the script sets MASTER_PORT={port} itself at tutorial.py:{setting}: change it there" in line), line
+    assert "--master_port" not in line, line
+
+
+def test_mpirun_a_stalled_rank_is_named_with_its_line(venv, elsewhere):
+    script = SPAWN_SCRIPT.format(port=free_port())
+    (elsewhere / "tutorial.py").write_text(script)
+    code, lines = diagnosed(venv, elsewhere, BIN / "mpirun", "-np", "2", "--bind-to", "none", venv / "bin" / "python",
+                            "tutorial.py", FAULT="stall")
+    line = verdict(code, lines)
+    assert (f"rank 1 did not arrive: it is alive, in its own code at tutorial.py:{line_of(script, 'the stall')}"
+            in line), line
+
+
+def test_on_a_torch_without_a_private_api_it_says_which_and_the_job_runs_untouched(venv, elsewhere):
+    (elsewhere / "other_torch.py").write_text(OTHER_TORCH_SCRIPT.format(port=free_port()))
+    code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "other_torch.py")
+    output = [text for _, text in lines]
+    assert code == 0 and output[-1] == "done", output
+    (line,) = [text for text in output if text.startswith("diagnose: ")]
+    assert line.startswith(f"diagnose: torch {torch.__version__} has no torch._C._distributed_c10d._dump_fr_trace, "
+                           "a private API this tool reads (tested with torch "), line
+    assert line.endswith("not watching this job, which runs as without the tool"), line

@@ -1,12 +1,12 @@
 """When training hangs: break one rank on purpose, in each of the classic ways, and let the diagnosis tool find
-the rank, the collective and the line (docs/hangs.md). Run it under `python -m diagnose`, from the repository:
+the rank, the collective and the line (docs/hangs.md). Run it under torchdiagnose (pip install ./diagnose):
 
     torchrun --standalone --nproc_per_node=2 hangs.py                                   # --fault none: trains
-    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault skip
-    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault other_collective
-    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault other_shape
-    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault stall
-    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault die
+    torchdiagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault skip
+    torchdiagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault other_collective
+    torchdiagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault other_shape
+    torchdiagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault stall
+    torchdiagnose --timeout 10 torchrun --standalone --nproc_per_node=2 hangs.py --fault die
     torchfrtrace fr_traces/<the folder the line names>                 # what each rank's flight recorder holds
 
 Each step trains a small MLP with DDP (an all_reduce of the gradients in backward()), then gathers every

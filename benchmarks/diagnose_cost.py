@@ -1,5 +1,5 @@
-"""What `python -m diagnose` costs a job that does not hang: the tutorial's step 3 and train.py, each launched
-with and without the prefix, the launches alternating so that both settings share whatever else loads the
+"""What torchdiagnose (`python -m diagnose`) costs a job that does not hang: the tutorial's step 3 and train.py, each
+launched with and without the prefix, the launches alternating so that both settings share whatever else loads the
 machine.
 
     python benchmarks/diagnose_cost.py                               # 5 pairs of each; some minutes
@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import report  # noqa: E402
-from benchmarks.launches import REPO, clean_env, launch_once, torchrun_cmd  # noqa: E402
+from benchmarks import report
+from benchmarks.launches import REPO, clean_env, launch_once, torchrun_cmd
 
 SUMMARY = re.compile(r"^Summary: .* \| samples/s ([\d.]+) \|", re.M)
 

@@ -3,7 +3,7 @@
     python benchmarks/hang_diagnosis.py                       # 5 rounds of the 3 settings, medians; some minutes
     python benchmarks/hang_diagnosis.py --repeats 1 --steps 50 --out /tmp/results     # a smoke test
 
-The diagnosis tool (python -m diagnose: which rank, which collective, which line) reads torch's flight recorder
+The diagnosis tool (torchdiagnose: which rank, which collective, which line) reads torch's flight recorder
 when a collective stands still; the tool's own cost is benchmarks/diagnose_cost.py's. The flight recorder records
 every collective (kind, shapes, Python stack) in a ring buffer. torch 2.13 turns it on by default (2000 entries);
 TORCH_FR_BUFFER_SIZE=0 turns it off. Each setting is a torchrun launch of 2 CPU processes running this file's
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import report  # noqa: E402
-from benchmarks.launches import clean_env, torchrun_cmd  # noqa: E402
+from benchmarks import report
+from benchmarks.launches import clean_env, torchrun_cmd
 
 SETTINGS = {  # name -> the environment it adds
     "flight recorder on (torch's default, 2000 entries)": {},
@@ -106,7 +106,7 @@ def worker(args):
         # One write: under torchrun's -u, print() writes each piece apart and rank 1's lines can land between them.
         sys.stdout.write(" ".join([RESULT, *(f"{x:.3f}" for x in figures)]) + "\n")
         sys.stdout.flush()
-    del model, optimizer
+    model = optimizer = None  # DDP holds the group: let go of it before destroy_process_group
     dist.destroy_process_group()
 
 

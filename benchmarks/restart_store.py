@@ -1,17 +1,25 @@
 """Whether torchrun's restarts still need a store of the group's own (group_store in multigpu_torchrun.py).
 
-    python benchmarks/restart_store.py                # 10 jobs each way; prints the counts, writes a JSON
+    python benchmarks/restart_store.py      # 10 jobs each of 3 ways on one machine; prints the counts, writes a JSON
+    python benchmarks/restart_store.py --ways plain group_store loopback env prefix --scenarios standalone two_nodes
 
-Each job is `torchrun --standalone --nproc_per_node=2 --max_restarts=3` on a worker that forms its group,
-all-reduces once, and, in each of the first 3 attempts, has rank 1 exit at once (as a crash does, leaving the
-group's keys behind). A job that ends 0 used its restarts; one that ends 1 burned them all; one still running
-after --job_timeout seconds hangs (it is killed). Three ways:
+Each job runs a worker that forms its group and all-reduces; in each of the first 3 attempts rank 1 exits at
+once (as a crash does, leaving the group's keys behind in torchrun's store), while rank 0 computes for
+--busy seconds before its next all-reduce. `--max_restarts=3` covers exactly those 3 crashes: a job that ends 0
+used its restarts; one that ends non-zero burned them all; one still running after --job_timeout seconds
+hangs (it is killed). Scenarios:
+- standalone: `torchrun --standalone --nproc_per_node=2` (one agent, one restart count);
+- two_nodes: two torchruns, `--nnodes=2 --nproc_per_node=1` with c10d rendezvous on 127.0.0.1, as two machines
+  would (each agent counts its own restarts: the agent whose worker is still computing when the other node
+  comes back restarts without counting, pytorch/pytorch#108158).
+Ways (how the worker forms its group):
 - plain: init_process_group() on torchrun's own store (what most examples do);
-- group store: the store of the group's own that the torchrun examples here make;
-- env: plain, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 given to torchrun.
+- group_store: the store of the group's own that the torchrun examples here make (multigpu_torchrun.py);
+- loopback: the same, its server listening at MASTER_ADDR only (not on every interface);
+- env: plain, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 given to torchrun (a fresh store per attempt, on rank 0);
+- prefix: torchrun's store under PrefixStore(f"attempt{TORCHELASTIC_RESTART_COUNT}").
 """
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -25,68 +33,154 @@ sys.path.insert(0, str(REPO))
 from benchmarks import report  # noqa: E402
 from benchmarks.launches import BIN, clean_env  # noqa: E402
 
+WAYS = ("plain", "group_store", "loopback", "env", "prefix")
+SCENARIOS = ("standalone", "two_nodes")
+CRASHES = 3
+
+# The loopback candidate: group_store with its server listening at the rendezvous address only.
+LOOPBACK_STORE = '''
+def loopback_store(rank, world_size, timeout):
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host = os.environ["MASTER_ADDR"]
+    torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:  # a fresh store at the rendezvous address only, its port posted in torchrun's
+        listener = socket.create_server((host, 0), family=socket.getaddrinfo(host, 0)[0][0])
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.detach())
+        torchrun_store.set("group_store_port", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:  # where nothing answers at the posted port, the post is the dead group's
+        port = int(torchrun_store.get("group_store_port"))
+        try:
+            socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except OSError:
+            time.sleep(0.1)
+    sys.exit(f"error: rank 0 opened no store for this group within --timeout {timeout.total_seconds():g}s")
+'''
+
 WORKER = '''
-import os, sys, time
+import os, socket, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 sys.path.insert(0, {repo!r})
 from multigpu_torchrun import group_store
+{loopback_store}
+way, busy, folder = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+with open(os.path.join(folder, "starts"), "a") as f:  # which restart count each rank saw
+    f.write(f"{{rank}}:{{os.environ['TORCHELASTIC_RESTART_COUNT']}}\\n")
 timeout = timedelta(seconds=30)
-store = group_store(rank, world_size, timeout) if sys.argv[1] == "group_store" else None
+store = None
+if way == "group_store":
+    store = group_store(rank, world_size, timeout)
+elif way == "loopback":
+    store = loopback_store(rank, world_size, timeout)
+elif way == "prefix":
+    store = dist.PrefixStore(f"attempt{{os.environ['TORCHELASTIC_RESTART_COUNT']}}", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 t = torch.ones(1)
 dist.all_reduce(t)
-if rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < 3:
+crashes = os.path.join(folder, "crashes")
+if rank == 1 and (not os.path.exists(crashes) or os.path.getsize(crashes) < {crashes}):
+    with open(crashes, "a") as f:
+        f.write("x")
     os._exit(1)
-time.sleep(0.5)
+time.sleep(busy)  # rank 0 computes; in a crashed attempt its next all-reduce fails
+dist.all_reduce(t)
 dist.destroy_process_group()
+os._exit(0)  # this benchmark counts restarts, not clean exits
 '''
 
 
-def job(worker, way, timeout):
-    """("finished" | "burned" | "hung", seconds) of one job."""
+def kill_job(mark):
+    """torchrun's workers run in sessions of their own: each process of the job is found by its mark."""
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RESTART_STORE_JOB={mark}".encode() in f.read().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already, or not ours
+            pass
+
+
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def job(worker, way, scenario, busy, timeout):
+    """{"end": "finished" | "burned" | "hung", "seconds", "starts"} of one job."""
     env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1") if way == "env" else clean_env()
     env["RESTART_STORE_JOB"] = mark = f"{os.getpid()}-{time.monotonic_ns()}"  # finds the job's workers later
-    started = time.perf_counter()
-    process = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max_restarts=3",
-                                worker, "group_store" if way == "group_store" else "plain"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        code = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun's workers run in sessions of their own: each process of the job is found by its mark.
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if f"RESTART_STORE_JOB={mark}".encode() in f.read().split(b"\0"):
-                        os.kill(pid, signal.SIGKILL)
-            except OSError:  # gone already, or not ours
-                pass
-        process.wait()
-        return "hung", time.perf_counter() - started
-    return ("finished" if code == 0 else "burned"), time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as folder:
+        tail = [worker, way, str(busy), folder]
+        if scenario == "standalone":
+            commands = [[str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", f"--max_restarts={CRASHES}",
+                         *tail]]
+        else:
+            node = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", f"--max_restarts={CRASHES}",
+                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_id={mark}", *tail]
+            commands = [node, node]
+        started = time.perf_counter()
+        processes = []
+        for command in commands:
+            processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(0.5)  # the first torchrun hosts the rendezvous store
+        codes = []
+        try:
+            for process in processes:
+                codes.append(process.wait(timeout=max(0.1, timeout - (time.perf_counter() - started))))
+            end = "finished" if not any(codes) else "burned"
+        except subprocess.TimeoutExpired:
+            kill_job(mark)
+            for process in processes:
+                process.wait()
+            end = "hung"
+        seconds = time.perf_counter() - started
+        starts = Path(folder, "starts").read_text().split() if Path(folder, "starts").exists() else []
+    return {"end": end, "seconds": round(seconds, 2), "starts": starts}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", type=int, default=10, help="jobs each way (default 10)")
+    parser.add_argument("--jobs", type=int, default=10, help="jobs each way and scenario (default 10)")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=["plain", "group_store", "env"],
+                        help="default: plain group_store env")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=["standalone"],
+                        help="default: standalone")
+    parser.add_argument("--busy", type=float, default=2, help="seconds rank 0 computes between its all-reduces")
     parser.add_argument("--job_timeout", type=float, default=90, help="seconds before a job counts as hung")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON")
     args = parser.parse_args()
-    if args.jobs < 1:
-        parser.error("--jobs must be positive")
-    results = {}
+    if args.jobs < 1 or args.busy < 0 or args.job_timeout <= 0:
+        parser.error("--jobs and --job_timeout must be positive, --busy not negative")
+    machine = report.machine()
+    print(report.machine_line(machine), flush=True)
+    tables = {}
     with tempfile.TemporaryDirectory() as tmp:
         worker = os.path.join(tmp, "worker.py")
-        Path(worker).write_text(WORKER.format(repo=str(REPO)))
-        for way in ("plain", "group_store", "env"):
-            runs = [job(worker, way, args.job_timeout) for _ in range(args.jobs)]
-            counts = {end: sum(e == end for e, _ in runs) for end in ("finished", "burned", "hung")}
-            results[way] = {"jobs": args.jobs, **counts, "median_s": sorted(s for _, s in runs)[len(runs) // 2]}
-            print(f"{way:12} | {args.jobs} jobs | {counts['finished']} finished | {counts['burned']} burned all 3 "
-                  f"restarts | {counts['hung']} hung | median {results[way]['median_s']:.1f} s a job", flush=True)
-    print(f"Wrote {report.write_json(args.out / 'restart_store.json', {'benchmark': 'restart_store', 'machine': report.machine(), 'results': results})}")
+        Path(worker).write_text(WORKER.format(repo=str(REPO), loopback_store=LOOPBACK_STORE, crashes=CRASHES))
+        for scenario in args.scenarios:
+            results = tables.setdefault(scenario, {})
+            for way in args.ways:
+                runs = [job(worker, way, scenario, args.busy, args.job_timeout) for _ in range(args.jobs)]
+                counts = {end: sum(r["end"] == end for r in runs) for end in ("finished", "burned", "hung")}
+                median = sorted(r["seconds"] for r in runs)[len(runs) // 2]
+                results[way] = {"jobs": args.jobs, **counts, "median_s": median, "runs": runs}
+                print(f"{scenario:10} | {way:11} | {args.jobs} jobs | {counts['finished']} finished | "
+                      f"{counts['burned']} burned all {CRASHES} restarts | {counts['hung']} hung | "
+                      f"median {median:.1f} s a job", flush=True)
+    machine["load_average_after"] = report.machine()["load_average_1_5_15min"]
+    result = {"benchmark": "restart_store", "machine": machine, "busy_s": args.busy,
+              # one machine's table stays where it always was: results[way]
+              "results": tables.get("standalone", {}), "two_nodes": tables.get("two_nodes", {})}
+    print(f"Wrote {report.write_json(args.out / 'restart_store.json', result)}")
 
 
 if __name__ == "__main__":

@@ -112,8 +112,10 @@ class Trainer:
         losses = []  # the last stage's, one a micro-batch
         # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both. TP's
         # all-reduces run inside each stage's blocks, FSDP's gathers around them, its reduce-scatters at the end.
+        # return_outputs=False: the last stage keeps no outputs, whose autograd graph would hold FSDP's hooks, and
+        # through them the modules and the process groups, past destroy_process_group.
         self.schedule.step(*[source] * self.stage.is_first, target=targets if self.stage.is_last else None,
-                           losses=losses if self.stage.is_last else None)
+                           losses=losses if self.stage.is_last else None, return_outputs=False)
         self.optimizer.step()  # on this rank's shards of this stage's pieces: no communication
         return sum(losses, torch.zeros((), device=self.device, dtype=self.dtype)).detach()
 

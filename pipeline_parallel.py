@@ -131,8 +131,9 @@ class Trainer:
         self.synchronize()
         busy, start = self.busy[0], time.perf_counter()
         # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both.
+        # return_outputs=False: the last stage keeps no outputs (and their autograd graph) after the step.
         self.schedule.step(*[source] * self.stage.is_first, target=targets if self.stage.is_last else None,
-                           losses=losses if self.stage.is_last else None)
+                           losses=losses if self.stage.is_last else None, return_outputs=False)
         self.synchronize()
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
         self.optimizer.step()  # each stage steps its own parameters: no communication

@@ -128,6 +128,10 @@ def parse_args():
                      "fragment syncs every sync_every/fragments steps")
     if args.steps % args.sync_every:
         parser.error(f"--steps {args.steps} is not a multiple of --sync_every {args.sync_every}: end on a sync")
+    if args.quantize and not (torch.cuda.is_available() and importlib.util.find_spec("triton")):
+        # Without triton, torchft 0.2.0 ignores should_quantize and sends fp32 without a word.
+        parser.error("--quantize needs a CUDA GPU and triton (torchft quantizes with triton kernels); leave it out "
+                     "on the CPU")
     if 2048 < args.num_replicas * args.batch_size:
         parser.error("--num_replicas x --batch_size must be at most the dataset's 2048 samples")
     args.snapshot_path = args.snapshot_path or f"diloco_group{args.replica_id}.pt"
@@ -188,10 +192,6 @@ def main(args):
     backend = args.backend or dist.get_default_backend_for_device(device)
     if backend == "nccl" and device.type != "cuda":
         sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
-    if args.quantize and (device.type != "cuda" or importlib.util.find_spec("triton") is None):
-        # Without triton, torchft 0.2.0 ignores should_quantize and sends fp32 without a word.
-        raise UsageError("--quantize needs a CUDA GPU and triton (torchft quantizes with triton kernels); leave "
-                         "it out on the CPU")
     check_snapshot_path(args.snapshot_path)
     snapshot = None
     if os.path.exists(args.snapshot_path):

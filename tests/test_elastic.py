@@ -227,17 +227,17 @@ def test_the_documented_elastic_command_lets_a_node_join(tmp_path):
 
 @pytest.mark.slow
 def test_under_the_diagnosis_tool_a_node_joins_whichever_launcher_started_it(tmp_path):
-    """Without the variable, each node started through `python -m diagnose`: node 0 by `python -m
+    """Without the variable, each node started through `python -m diagnose` (torchdiagnose): node 0 by `python -m
     torch.distributed.launch --use-env`, node 1 by `python -m torch.distributed.run`. The tool sees the elastic
     --nnodes, says so in one line and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: node 1 joins, both finish."""
     port = free_port()
     (tmp_path / "probe").mkdir()
     launchers = [(sys.executable, "-m", "torch.distributed.launch", "--use-env"),
                  (sys.executable, "-m", "torch.distributed.run")]
-    # The tool, from the test's folder; each step paced at 10 ms (the probe), so node 0 alone cannot finish its
-    # epochs in the second or two the tool's SIGTERM grace lets its stopped worker run on under load.
-    env = clean_env(PYTHONPATH=REPO, DDP_EXAMPLES_PROBE_SAMPLES=tmp_path / "probe",
-                    DDP_EXAMPLES_PROBE_STEP_DELAY="0.01")
+    # The tool as installed (requirements-dev.txt), from the test's folder; each step paced at 10 ms (the probe), so
+    # node 0 alone cannot finish its epochs in the second or two the tool's SIGTERM grace lets its stopped worker
+    # run on under load.
+    env = clean_env(DDP_EXAMPLES_PROBE_SAMPLES=tmp_path / "probe", DDP_EXAMPLES_PROBE_STEP_DELAY="0.01")
 
     def node(number):
         command = agent_cmd(number, port, "--total_epochs", "8", launcher=launchers[number])

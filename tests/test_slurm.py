@@ -232,13 +232,13 @@ def alive(pid):
 
 
 def test_diagnose_under_srun_names_a_stalled_rank_and_its_line(cluster, tmp_path):
-    """python -m diagnose in front of srun: the user's own script (tests/test_diagnose.py's), one task on each of
+    """torchdiagnose in front of srun: the user's own script (tests/test_diagnose.py's), one task on each of
     two nodes; rank 1 stalls, and the one line names it, its line and the collective the other waits in."""
     from test_diagnose import TIMEOUT, line_of, user_script
     script = user_script(tmp_path)
     env = job_env(FAULT="stall", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
-    env["PYTHONPATH"] += os.pathsep + str(REPO)  # the tool, from the test's folder (its dumps go there)
-    result = cluster.run([sys.executable, "-m", "diagnose", "--timeout", TIMEOUT, "srun", "--time=3", "-N", "2",
+    # The tool as installed (requirements-dev.txt), from the test's folder (its dumps go there).
+    result = cluster.run([BIN / "torchdiagnose", "--timeout", TIMEOUT, "srun", "--time=3", "-N", "2",
                           "--ntasks-per-node=1", "--cpus-per-task=1", sys.executable, script],
                          cwd=tmp_path, env=env, timeout=180, check=False)
     output = result.stdout + result.stderr

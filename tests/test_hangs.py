@@ -172,8 +172,12 @@ def test_mpirun_train_under_the_tool_names_a_stuck_rank(tmp_path):
     script = (REPO / "run_with_mpirun.py").read_text().splitlines()
     backward = line_of("loss.backward()", script, "run_with_mpirun.py")
     assert f"(all_reduce of [{MLP_PARAMETERS}], DDP's gradients in backward() at {backward})" in line, line
+    # The script the rank runs (run_with_mpirun.py, which the wrapper runs as __main__) first, at its call that led
+    # to the stall; then the innermost frame, the wrapper's hook.
+    step = line_of("optimizer.step()", script, "run_with_mpirun.py")
     stall = line_of("# the stall", FAULTY.splitlines(), "faulty.py")
-    assert f"rank 1 did not arrive: it is alive, in its own code at {stall}" in line, line
+    assert f"rank 1 did not arrive: it is alive, in its own code at {step} (innermost: {stall} in after_step)" \
+        in line, line
     ends_in_time(lines, "rank 1: stall at step 40")
 
 

@@ -173,3 +173,75 @@ def test_fsdp_memory_measures_the_meta_build_below_the_full_model(tmp_path):
         assert meta["shard_bytes"] < meta["peak_bytes"] < 0.8 * full, meta
         assert first["peak_bytes"] > full, first
     assert "Rank 1: peak 0." in result.stdout
+
+
+def check_parallel_bytes(data):
+    """Every layout's counted bytes against its own formula and mesh: never below the formula (the bytes must
+    cross), at most 5% above (gloo's headers); the ranks of one pipeline stage send the same bytes (to 1%: gloo's
+    headers differ by a few bytes); nothing sent between steps, nor to the store; each rank sends only to ranks
+    that share a group with it (one mesh coordinate apart; pipeline stages to their neighbours)."""
+    assert_machine(data, "gloo", None)
+    for n, factors in data["collectives"].items():  # gloo's own, counted: ring all-reduce and all-gather
+        n = int(n)
+        assert factors["all_reduce"] == pytest.approx(2 * (n - 1) / n, rel=0.01)
+        assert factors["all_gather_into_tensor"] == pytest.approx((n - 1) / n, rel=0.01)
+        assert factors["reduce_scatter_tensor"] == pytest.approx(2 * (n - 1) / n, rel=0.01)  # as an all-reduce
+    for layout in data["results"]:
+        mesh = layout["mesh"]
+        sizes = [mesh[name] for name in ("pp", "dp_replicate", "dp_shard", "tp")]
+        assert layout["processes"] == sizes[0] * sizes[1] * sizes[2] * sizes[3]
+        assert layout["steps_counted"] == 2048 // data["global_batch_size"] - data["warmup_steps"]
+        assert 0 < layout["step_s"] < 10
+
+        def coordinates(rank):
+            found = []
+            for size in reversed(sizes):
+                rank, position = divmod(rank, size)
+                found.insert(0, position)
+            return found
+
+        for row in layout["ranks"]:
+            assert row["formula_bytes"] == sum(row["formula"].values())
+            assert row["ratio"] == pytest.approx(row["bytes_per_step"] / row["formula_bytes"])
+            assert 1.0 <= row["ratio"] <= 1.05, (layout["layout"], row)
+            assert row["between_steps"] == 0 and "store or agent" not in row["to"], row
+            assert sum(row["to"].values()) == pytest.approx(row["bytes_per_step"])
+            here = coordinates(row["rank"])
+            for peer in map(int, row["to"]):
+                there = coordinates(peer)
+                apart = [i for i in range(4) if here[i] != there[i]]
+                assert len(apart) == 1 and (apart != [0] or abs(here[0] - there[0]) == 1), (layout["layout"], row)
+        stages = {}
+        for row in layout["ranks"]:
+            stages.setdefault(coordinates(row["rank"])[0], set()).add(row["bytes_per_step"])
+        assert all(max(sent) < 1.01 * min(sent) for sent in stages.values()), (layout["layout"], stages)
+
+
+def test_parallel_bytes_counts_what_the_formula_says(tmp_path):
+    """benchmarks/parallel_bytes.py --quick: the 2-process layouts (DDP-like, FSDP2, TP, PP) at a global batch of
+    512, each rank's TCP bytes counted by the kernel against the formula, which is checked against the model here:
+    DDP-like sends the gradients' bytes, FSDP2 as much again for its gathers, TP 2 all-reduces of batch x width
+    per block, PP one batch of activations each way."""
+    result = run([sys.executable, REPO / "benchmarks/parallel_bytes.py", "--quick", "--out", tmp_path], cwd=REPO,
+                 timeout=300)
+    data = json.loads((tmp_path / "parallel_bytes.json").read_text())
+    check_parallel_bytes(data)
+    model = BlockMLP(20, 64, 256, 4)
+    whole = 4 * sum(p.numel() for p in model.parameters())
+    blocks = 4 * sum(p.numel() for p in model.blocks.parameters())
+    expected = {"DDP-like 2": whole, "FSDP2 2": (2 * blocks + (whole - blocks)) / 2 + whole,
+                "TP 2": 2 * 4 * 512 * 64 * 4, "PP 2": 512 * 64 * 4}
+    assert [layout["layout"] for layout in data["results"]] == list(expected)
+    for layout in data["results"]:
+        for row in layout["ranks"]:
+            assert row["formula_bytes"] == pytest.approx(expected[layout["layout"]], abs=2), row
+            assert list(row["to"]) == [str(1 - row["rank"])]
+    assert_png(tmp_path / "parallel_bytes.png")
+    assert "bytes sent/step" in result.stdout
+
+
+def test_parallel_bytes_results_agree_with_their_formulas():
+    """The committed run of every layout (2, 4 and 8 processes): the same checks, on what it measured."""
+    data = json.loads((REPO / "benchmarks/results/parallel_bytes.json").read_text())
+    assert not data["quick"] and {layout["processes"] for layout in data["results"]} == {2, 4, 8}
+    check_parallel_bytes(data)

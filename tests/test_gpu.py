@@ -90,6 +90,29 @@ def test_trains_and_resumes_on_the_gpu(tmp_path, script):
     assert len(resumed) == 2 and resumed[-1] < epoch_losses(first)[0], (first[-2000:], second[-2000:])
 
 
+# dp x tp x pp: every axis a mesh dimension of size 1 on one GPU; FSDP2 x TP and 3-D where there are GPUs enough.
+ND_LAYOUTS = [(dp, tp, pp) for dp, tp, pp in [(1, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 2)]
+              if dp * tp * pp <= max(GPUS, 1)]
+
+
+@pytest.mark.parametrize("script, args, world_size",
+                         [("tensor_parallel.py", (), n) for n in WORLD_SIZES]
+                         + [("pipeline_parallel.py", (), n) for n in WORLD_SIZES]
+                         + [("nd_parallel.py", ("--dp", dp, "--tp", tp, "--pp", pp), dp * tp * pp)
+                            for dp, tp, pp in ND_LAYOUTS])
+def test_tensor_pipeline_and_nd_parallel_train_and_resume_on_the_gpu(tmp_path, script, args, world_size):
+    """DTensor's all-reduces, the pipeline's sends and FSDP's collectives on NCCL; a checkpoint written from the
+    GPUs loads back onto them."""
+    args = [*map(str, args), "--global_batch_size", "512"]
+    first = run(torchrun_cmd(script, *args, "--total_epochs", "2", nproc=world_size), cwd=tmp_path,
+                env=gpu_env()).stdout
+    assert_trained_on_nccl(first, world_size)
+    second = run(torchrun_cmd(script, *args, "--total_epochs", "3", nproc=world_size), cwd=tmp_path,
+                 env=gpu_env()).stdout
+    assert re.search(r"Resuming from \S+ at epoch 2", second), second[-3000:]
+    assert summary(second).backend == "nccl" and len(epoch_losses(second)) == 1, second[-3000:]
+
+
 def test_ddp_py_compares_dataparallel_with_ddp(tmp_path):
     out = run(python_cmd("ddp.py", "--total_epochs", "3"), cwd=tmp_path, env=gpu_env()).stdout
     assert summary(out).backend == "nccl"

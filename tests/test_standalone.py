@@ -25,7 +25,9 @@ LESSON_PACKAGES = {
     "ddp.py": {"dotenv"},
     "fault_tolerant.py": {"torchft"},
 }
-SIBLINGS = {"fsdp.py": {"models_and_data", "fsdp_checkpoint"}}
+# fsdp.py's checkpoint protocol serves the steps after it too (tensor, pipeline and N-D parallelism).
+SIBLINGS = {name: {"models_and_data", "fsdp_checkpoint"}
+            for name in ("fsdp.py", "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py")}
 REPOSITORY_PACKAGES = ("diagnose", "benchmarks", "models_and_data", "fsdp_checkpoint")
 
 
@@ -70,6 +72,9 @@ COMMANDS = {
     "multigpu_torchrun.py": (TORCHRUN, ("3", "1")),
     "multinode.py": (TORCHRUN, ("3", "1")),
     "fsdp.py": (TORCHRUN, ("3", "1", "--batch_size", "256")),
+    "tensor_parallel.py": (TORCHRUN, ("3", "1", "--global_batch_size", "512")),
+    "pipeline_parallel.py": (TORCHRUN, ("3", "1", "--global_batch_size", "512")),
+    "nd_parallel.py": (TORCHRUN, ("3", "1", "--tp", "2", "--global_batch_size", "512")),
     "torchrun_ddp.py": (TORCHRUN, SMALL),
     "ddp.py": ((sys.executable,), (*SMALL, "--world_size", "2", "--batch_size", "256")),
     "run_with_torchrun.py": (TORCHRUN, ()),

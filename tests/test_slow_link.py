@@ -170,7 +170,7 @@ def test_two_sites_over_a_shaped_link_a_killed_site_costs_one_round_and_rejoins(
     why = namespaces_allowed()
     if why:
         pytest.skip(why)
-    # 35,905 parameters (140 KB a sync) at 2 Mbit/s: a sync takes some 0.6 s, and the kill lands in one.
+    # 35,329 parameters (141 KB a sync) at 2 Mbit/s: a sync takes some 0.6 s, and the kill lands in one.
     result = run(python_cmd("launch/two_sites.py", "--rate", "2mbit", "--min_replicas", "1", "--kill_site", "1",
                             "--kill_after_sync", "3", "--mid_sync", "--restart_after", "0", "--",
                             "--sync_every", "10", "--steps", "400", "--hidden", "64", "--step_delay", "0.1",
@@ -183,8 +183,10 @@ def test_two_sites_over_a_shaped_link_a_killed_site_costs_one_round_and_rejoins(
                                                          text=True).stdout.split()), "namespaces torn down"
     assert "Killed site 1 (SIGKILL) after its sync 3" in out
     site0 = [(int(m[2]), int(m[3]), int(m[4])) for m in SYNC.finditer(out) if m[1] == "0"]
-    # Every sync committed once, in order; the round the kill interrupted was trained again, alone.
-    assert [s for s, _, _ in site0] == list(range(1, 41)), out[-3000:]
+    # Every sync committed once, in order (from the first, or from where site 0 healed if site 1 synced alone
+    # before site 0 was up); the round the kill interrupted was trained again, alone.
+    committed = [s for s, _, _ in site0]
+    assert committed[0] <= 3 and committed == list(range(committed[0], 41)), out[-3000:]
     assert re.search(r"^\[site 0\] Sync 4 \| not committed \(a group was lost\): weights put back as at the last "
                      r"sync, steps 31-40 trained again$", out, re.M), out[-4000:]
     assert len(re.findall(r"^\[site 0\] Sync \d+ \| not committed", out, re.M)) == 1, out[-4000:]
@@ -204,7 +206,7 @@ def test_two_sites_over_a_shaped_link_a_killed_site_costs_one_round_and_rejoins(
     # Counted on the veth: site 0 sent at least its share of every two-site sync (2 ranks: the whole payload).
     link = re.search(r"^Link: 2mbit \| site 0 to 1 ([\d.]+) MB \| site 1 to 0 ([\d.]+) MB", out, re.M)
     payload = int(next(m[5] for m in SYNC.finditer(out)))
-    assert payload == 35_905 * 4
+    assert payload == 35_329 * 4
     together = sum(1 for _, _, g in site0 if g == 2)
     assert float(link[1]) * 1e6 > 0.9 * together * payload, (link[0], together)
 

@@ -17,13 +17,18 @@ applied: an axis of size 1 only costs bookkeeping, so one GPU runs the same code
     Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 128 samples a data-parallel rank in 2 micro-batches | ...
     Rank 0 | pp 0 dp_replicate 0 dp_shard 0 tp 0 | inp, blocks.0, blocks.1 | 17,376 of 134,401 parameters | ...
     Rank 7 | pp 1 dp_replicate 0 dp_shard 1 tp 1 | blocks.2, blocks.3, norm, out | 16,768 of 134,401 parameters | ...
-    Epoch 0 | Batchsize 128 | Steps 8 | Loss 0.866304
-    Epoch 0 | Snapshot saved at nd_parallel_checkpoints/epoch_000001
-    Summary: epochs 4 | steps 32 | final loss ... | world size 8 | backend gloo
+    Epoch 0 | Batchsize 128 | Steps 8 | Loss 1.031492
+    ...
+    Epoch 3 | Batchsize 128 | Steps 8 | Loss 0.169379
+    Epoch 3 | Snapshot saved at nd_parallel_checkpoints/epoch_000004
+    Summary: epochs 4 | steps 32 | final loss 0.169379 | samples/s 439.0 | wall 18.66s | world size 8 | backend gloo
 
-Checkpoints are keyed by the full model's names (and written by DCP with fsdp_checkpoint.py's complete marker): a
-run resumes from one of any layout, this script's or tensor_parallel.py's or pipeline_parallel.py's, and trains on
-as it would have with the same --global_batch_size. With --dtype float64 the numbers equal one process's to ~1e-12.
+Batchsize is a data-parallel rank's part of the global batch. Checkpoints are keyed by the full model's names (DCP,
+with fsdp_checkpoint.py's complete marker): a run resumes from one of any layout, this script's, tensor_parallel.py's
+or pipeline_parallel.py's ("Resuming from nd_parallel_checkpoints/epoch_000004 at epoch 4, saved as pp 2 x
+dp_replicate 1 x dp_shard 2 x tp 2 on 8 processes"), and trains on as it would have with the same
+--global_batch_size. With --dtype float64 the numbers are one process's but for the order of additions
+(tests/test_parallelism.py).
 """
 import argparse
 import gc
@@ -225,19 +230,18 @@ def load_train_objs(args, mesh, dtype, device):
 
 
 def group_store(rank, world_size, timeout):
-    """A store of this group's own under torchrun. Its own outlives a restart with the dead group's keys, and a
-    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too).
-    Rank 0 posts a fresh store's port in torchrun's; where nothing answers, the post is the dead group's."""
+    """Under torchrun, a store of this group's own: torchrun's outlives a restart with the dead group's keys, and a
+    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host = os.environ["MASTER_ADDR"]
     torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:
+    if rank == 0:  # a fresh store, its port posted in torchrun's
         store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         torchrun_store.set("group_store_port", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # where nothing answers at the posted port, the post is the dead group's
         port = int(torchrun_store.get("group_store_port"))
         try:
             socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died

@@ -14,13 +14,17 @@ At the start it prints, then trains (Loss: the mean squared error of the epoch):
     Rank 0 holds fc1.weight [128, 64] of [256, 64] | fc1.bias [128] of [256] | fc2.weight [64, 128] of [64, 256] | ...
     Block 0 | forward fc2 all_reduce x1 | backward fc1 all_reduce x1      (counted in the first step: CommDebugMode)
     Outside the blocks | forward none | backward none
-    Epoch 0 | Batchsize 256 | Steps 8 | Loss 0.866304
-    Epoch 0 | Snapshot saved at tensor_parallel_checkpoints/epoch_000001
-    Summary: epochs 20 | steps 160 | final loss ... | world size 2 | backend gloo
+    Epoch 0 | Batchsize 256 | Steps 8 | Loss 1.031492
+    ...
+    Epoch 4 | Snapshot saved at tensor_parallel_checkpoints/epoch_000005
+    ...
+    Summary: epochs 20 | steps 160 | final loss 0.086537 | samples/s 2504.6 | wall 16.35s | world size 2 | backend gloo
 
-Checkpoints (DCP, fsdp_checkpoint.py's complete marker) are keyed by the full model's names, as pipeline_parallel.py's
-and nd_parallel.py's are: any of the three resumes from any other's, in any layout (same --global_batch_size to
-train on as it would have). --dtype float64 makes the numbers equal one process's to ~1e-12 (tests/test_parallelism.py).
+A second run resumes ("Resuming from tensor_parallel_checkpoints/epoch_000020 at epoch 20, saved as tp 2 on 2
+processes"). Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names, as
+pipeline_parallel.py's and nd_parallel.py's are: any of the three resumes from any other's, in any layout (the same
+--global_batch_size trains on as it would have). --dtype float64 makes the numbers one process's but for the order
+of additions (tests/test_parallelism.py).
 """
 import argparse
 import gc
@@ -174,11 +178,11 @@ def collective_lines(counts, model):
     return "\n".join(lines)
 
 
-def load_train_objs(args, mesh, dtype):
+def load_train_objs(args, mesh, dtype, device):
     torch.manual_seed(args.seed)
     train_set = regression_dataset(2048, seed=args.seed)
     # The same weights on every rank (same seed); parallelize_module keeps each rank's piece of the split ones.
-    model = BlockMLP(input_size=20, width=args.width, hidden=args.hidden, depth=args.depth).to(dtype)
+    model = BlockMLP(input_size=20, width=args.width, hidden=args.hidden, depth=args.depth).to(device, dtype)
     for block in model.blocks:  # fc1's output columns and fc2's input rows: the hidden units, split over the ranks
         parallelize_module(block, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     # foreach=False: the parameters are DTensors (split) and plain tensors (whole), which one foreach call cannot mix.
@@ -187,19 +191,18 @@ def load_train_objs(args, mesh, dtype):
 
 
 def group_store(rank, world_size, timeout):
-    """A store of this group's own under torchrun. Its own outlives a restart with the dead group's keys, and a
-    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too).
-    Rank 0 posts a fresh store's port in torchrun's; where nothing answers, the post is the dead group's."""
+    """Under torchrun, a store of this group's own: torchrun's outlives a restart with the dead group's keys, and a
+    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host = os.environ["MASTER_ADDR"]
     torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:
+    if rank == 0:  # a fresh store, its port posted in torchrun's
         store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         torchrun_store.set("group_store_port", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # where nothing answers at the posted port, the post is the dead group's
         port = int(torchrun_store.get("group_store_port"))
         try:
             socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
@@ -242,7 +245,7 @@ def main(args):
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
     dtype = getattr(torch, args.dtype)
-    dataset, model, optimizer = load_train_objs(args, mesh, dtype)
+    dataset, model, optimizer = load_train_objs(args, mesh, dtype, device)
     layout = f"tp {world_size}"
     holds = [None] * world_size
     dist.all_gather_object(holds, holdings(model))

@@ -161,7 +161,7 @@ def ddp_worker(rank, world_size, backend, args, result_path):
     # The rank is the mp.spawn index; one machine, so it is also the local rank, which picks the GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     if accelerator and world_size > torch.accelerator.device_count():
-        accelerator = None  # more processes than devices: every process on the CPU
+        accelerator = None  # more processes than devices (a Mac has one mps device): every process on the CPU
     device = torch.device(accelerator.type, rank) if accelerator else torch.device("cpu")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)

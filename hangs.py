@@ -73,7 +73,7 @@ def main(args):
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
     if accelerator and local_world_size > torch.accelerator.device_count():
-        accelerator = None  # more processes than devices: every process on the CPU
+        accelerator = None  # more processes than devices (a Mac has one mps device): every process on the CPU
     device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
     backend = args.backend or dist.get_default_backend_for_device(device)
     if backend == "nccl" and device.type != "cuda":
@@ -153,8 +153,8 @@ if __name__ == "__main__":
     except (Exception, SystemExit) as error:
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
-        # This rank stops while its group lives (torch's timeout, a check said no): Python's own exit could abort
-        # on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
+        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
+        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
         if isinstance(error, SystemExit):  # sys.exit("error: ...")
             print(error.code, file=sys.stderr)
         else:  # the traceback, also to any hook a tool installed

@@ -122,16 +122,6 @@ def load_train_objs(seed):
     return train_set, model, optimizer
 
 
-def check_snapshot_path(path):
-    """Stop now, not after the first epochs, where the snapshot cannot be written."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        open(path + ".tmp", "wb").close()
-        os.remove(path + ".tmp")
-    except OSError as error:
-        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
-
-
 def main(rank, world_size, args, port):
     # mp.spawn numbers the processes 0 to world_size - 1: the number is the rank, and picks the process's GPU.
     # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
@@ -160,22 +150,6 @@ def main(rank, world_size, args, port):
     trainer.train(args.total_epochs)
     del trainer  # DDP holds the process group: free it first, so destroy_process_group frees the group
     dist.destroy_process_group()
-
-
-def worker(rank, *args):  # what mp.spawn runs in each process
-    try:
-        main(rank, *args)
-    except (Exception, SystemExit) as error:
-        if not dist.is_initialized():  # no process group: Python's own exit is safe
-            raise
-        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
-        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
-        if isinstance(error, SystemExit):  # sys.exit("error: ...")
-            print(error.code, file=sys.stderr)
-        else:  # the traceback, also to any hook a tool installed
-            sys.excepthook(*sys.exc_info())
-        sys.stdout.flush()
-        os._exit(1)
 
 
 def spawn(args):
@@ -217,6 +191,32 @@ def parse_args(argv=None):
     if args.world_size is not None and args.world_size <= 0:
         parser.error("--world_size must be positive")
     return args
+
+
+def check_snapshot_path(path):
+    """Stop now, not after the first epochs, where the snapshot cannot be written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path + ".tmp", "wb").close()
+        os.remove(path + ".tmp")
+    except OSError as error:
+        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
+
+
+def worker(rank, *args):  # what mp.spawn runs in each process
+    try:
+        main(rank, *args)
+    except (Exception, SystemExit) as error:
+        if not dist.is_initialized():  # no process group: Python's own exit is safe
+            raise
+        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
+        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, also to any hook a tool installed
+            sys.excepthook(*sys.exc_info())
+        sys.stdout.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

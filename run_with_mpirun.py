@@ -218,8 +218,9 @@ def train(args, rank, device):
         if speaks and ((epoch + 1) % args.save_every == 0 or epoch + 1 == args.total_epochs):
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                      "rng": torch.get_rng_state(), "epochs_run": epoch + 1}
-            with open(path + ".tmp", "wb") as f:  # written beside it, then renamed over it: a crash mid-save
-                torch.save(state, f)               # leaves the previous snapshot whole
+            # Written beside it, then renamed over it: a crash mid-save leaves the previous snapshot whole.
+            with open(path + ".tmp", "wb") as f:
+                torch.save(state, f)
                 os.fsync(f.fileno())
             os.replace(path + ".tmp", path)
             print(f"Epoch {epoch} | Snapshot saved at {path}", flush=True)

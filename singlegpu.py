@@ -106,16 +106,6 @@ def load_train_objs(seed):
     return train_set, model, optimizer
 
 
-def check_snapshot_path(path):
-    """Stop now, not after the first epochs, where the snapshot cannot be written."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        open(path + ".tmp", "wb").close()
-        os.remove(path + ".tmp")
-    except OSError as error:
-        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
-
-
 def main(args):
     # check_available=True: without it, a CUDA build of torch (PyPI's default on Linux) says cuda without a GPU.
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable GPU
@@ -144,6 +134,16 @@ def parse_args(argv=None):
     if min(args.total_epochs, args.save_every, args.batch_size) <= 0:
         parser.error("--total_epochs, --save_every and --batch_size must be positive")
     return args
+
+
+def check_snapshot_path(path):
+    """Stop now, not after the first epochs, where the snapshot cannot be written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path + ".tmp", "wb").close()
+        os.remove(path + ".tmp")
+    except OSError as error:
+        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
 
 
 if __name__ == "__main__":

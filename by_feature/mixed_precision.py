@@ -163,19 +163,18 @@ class Trainer:
 
 
 def group_store(rank, world_size, timeout):
-    """A store of this group's own under torchrun. Its own outlives a restart with the dead group's keys, and a
-    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too).
-    Rank 0 posts a fresh store's port in torchrun's; where nothing answers, the post is the dead group's."""
+    """Under torchrun, a store of this group's own: torchrun's outlives a restart with the dead group's keys, and a
+    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host = os.environ["MASTER_ADDR"]
     torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:
+    if rank == 0:  # a fresh store, its port posted in torchrun's
         store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         torchrun_store.set("group_store_port", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # where nothing answers at the posted port, the post is the dead group's
         port = int(torchrun_store.get("group_store_port"))
         try:
             socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
@@ -226,13 +225,9 @@ def main(args):
 
 
 def positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+    if not text.lstrip("-").isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return int(text)
 
 
 def parse_args(argv=None):

@@ -204,7 +204,7 @@ def test_ddp_py_bad_flags(tmp_path, flag, value, expected):
 @pytest.mark.parametrize("script, flag, value, expected", [
     ("torchrun_ddp.py", "--backend", "foo", "invalid choice: 'foo'"),
     ("torchrun_ddp.py", "--total_epochs", "-1", "--total_epochs/--epochs: must be a positive integer, got -1"),
-    ("torchrun_ddp.py", "--batch_size", "x", "--batch_size: expected a positive integer, got 'x'"),
+    ("torchrun_ddp.py", "--batch_size", "x", "--batch_size: must be a positive integer, got x"),
     ("torchrun_ddp.py", "--timeout", "0", "--timeout and --lr must be positive"),
     ("by_feature/gradient_accumulation.py", "--accumulation_steps", "0",
      "--accumulation_steps: must be a positive integer, got 0"),

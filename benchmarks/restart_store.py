@@ -6,15 +6,15 @@
 Each job runs a worker that forms its group and all-reduces; in each of the first 3 attempts rank 1 exits at
 once (as a crash does, leaving the group's keys behind in torchrun's store), while rank 0 computes for
 --busy seconds before its next all-reduce. `--max_restarts=3` covers exactly those 3 crashes: a job that ends 0
-used its restarts; one that ends non-zero burned them all; one still running after --job_timeout seconds
-hangs (it is killed). Scenarios:
+used its restarts; one that ends non-zero burned them all; one where no attempt starts for --job_timeout
+seconds while it runs hangs (it is killed: a loaded machine makes a job slow, not hung). Scenarios:
 - standalone: `torchrun --standalone --nproc_per_node=2` (one agent, one restart count);
 - two_nodes: two torchruns, `--nnodes=2 --nproc_per_node=1` with c10d rendezvous on 127.0.0.1, as two machines
   would (each agent counts its own restarts: the agent whose worker is still computing when the other node
   comes back restarts without counting, pytorch/pytorch#108158).
 Ways (how the worker forms its group):
 - plain: init_process_group() on torchrun's own store (what most examples do);
-- group_store: the store of the group's own that the torchrun examples here make (multigpu_torchrun.py);
+- group_store: the store of the group's own that the torchrun examples made (multigpu_torchrun.py's, copied);
 - loopback: the same, its server listening at MASTER_ADDR only (not on every interface);
 - env: plain, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 given to torchrun (a fresh store per attempt, on rank 0);
 - prefix: torchrun's store under PrefixStore(f"attempt{TORCHELASTIC_RESTART_COUNT}").
@@ -36,6 +36,30 @@ from benchmarks.launches import BIN, clean_env  # noqa: E402
 WAYS = ("plain", "group_store", "loopback", "env", "prefix")
 SCENARIOS = ("standalone", "two_nodes")
 CRASHES = 3
+
+# group_store as multigpu_torchrun.py had it (its server on every interface), copied: the benchmark outlives it.
+GROUP_STORE = '''
+def group_store(rank, world_size, timeout):
+    """Under torchrun, a store of this group's own: torchrun's outlives a restart with the dead group's keys, and a
+    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host = os.environ["MASTER_ADDR"]
+    torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:  # a fresh store, its port posted in torchrun's
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        torchrun_store.set("group_store_port", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:  # where nothing answers at the posted port, the post is the dead group's
+        port = int(torchrun_store.get("group_store_port"))
+        try:
+            socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except OSError:
+            time.sleep(0.1)
+    sys.exit(f"error: rank 0 opened no store for this group within --timeout {timeout.total_seconds():g}s")
+'''
 
 # The loopback candidate: group_store with its server listening at the rendezvous address only.
 LOOPBACK_STORE = '''
@@ -65,8 +89,7 @@ WORKER = '''
 import os, socket, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-sys.path.insert(0, {repo!r})
-from multigpu_torchrun import group_store
+{group_store}
 {loopback_store}
 way, busy, folder = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -132,16 +155,19 @@ def job(worker, way, scenario, busy, timeout):
         for command in commands:
             processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             time.sleep(0.5)  # the first torchrun hosts the rendezvous store
-        codes = []
-        try:
-            for process in processes:
-                codes.append(process.wait(timeout=max(0.1, timeout - (time.perf_counter() - started))))
-            end = "finished" if not any(codes) else "burned"
-        except subprocess.TimeoutExpired:
-            kill_job(mark)
-            for process in processes:
-                process.wait()
-            end = "hung"
+        starts, last = Path(folder, "starts"), (0, time.perf_counter())
+        while any(process.poll() is None for process in processes):
+            size = starts.stat().st_size if starts.exists() else 0
+            if size != last[0]:  # an attempt started: the job moves on, however loaded the machine
+                last = (size, time.perf_counter())
+            elif time.perf_counter() - last[1] > timeout:
+                kill_job(mark)
+                for process in processes:
+                    process.wait()
+                break
+            time.sleep(0.5)
+        codes = [process.returncode for process in processes]
+        end = "hung" if any(c == -signal.SIGKILL for c in codes) else "burned" if any(codes) else "finished"
         seconds = time.perf_counter() - started
         starts = Path(folder, "starts").read_text().split() if Path(folder, "starts").exists() else []
     return {"end": end, "seconds": round(seconds, 2), "starts": starts}
@@ -155,7 +181,8 @@ def main():
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=["standalone"],
                         help="default: standalone")
     parser.add_argument("--busy", type=float, default=2, help="seconds rank 0 computes between its all-reduces")
-    parser.add_argument("--job_timeout", type=float, default=90, help="seconds before a job counts as hung")
+    parser.add_argument("--job_timeout", type=float, default=120,
+                        help="seconds without a new attempt before a running job counts as hung (default 120)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON")
     args = parser.parse_args()
     if args.jobs < 1 or args.busy < 0 or args.job_timeout <= 0:
@@ -165,11 +192,15 @@ def main():
     tables = {}
     with tempfile.TemporaryDirectory() as tmp:
         worker = os.path.join(tmp, "worker.py")
-        Path(worker).write_text(WORKER.format(repo=str(REPO), loopback_store=LOOPBACK_STORE, crashes=CRASHES))
+        Path(worker).write_text(WORKER.format(group_store=GROUP_STORE, loopback_store=LOOPBACK_STORE, crashes=CRASHES))
         for scenario in args.scenarios:
             results = tables.setdefault(scenario, {})
             for way in args.ways:
-                runs = [job(worker, way, scenario, args.busy, args.job_timeout) for _ in range(args.jobs)]
+                runs = []
+                for _ in range(args.jobs):
+                    runs.append(job(worker, way, scenario, args.busy, args.job_timeout))
+                    print(f"  {scenario} {way}: {runs[-1]['end']} in {runs[-1]['seconds']:.0f} s, (rank:restart "
+                          f"count) {' '.join(runs[-1]['starts'])}", flush=True)
                 counts = {end: sum(r["end"] == end for r in runs) for end in ("finished", "burned", "hung")}
                 median = sorted(r["seconds"] for r in runs)[len(runs) // 2]
                 results[way] = {"jobs": args.jobs, **counts, "median_s": median, "runs": runs}

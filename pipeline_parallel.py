@@ -232,28 +232,6 @@ def load_train_objs(args, mesh, dtype, device):
     return train_set, model, stage, optimizer, parts
 
 
-def group_store(rank, world_size, timeout):
-    """Under torchrun, a store of this group's own: torchrun's outlives a restart with the dead group's keys, and a
-    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    host = os.environ["MASTER_ADDR"]
-    torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:  # a fresh store, its port posted in torchrun's
-        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        torchrun_store.set("group_store_port", str(store.port))
-        return store
-    deadline = time.monotonic() + timeout.total_seconds()
-    while time.monotonic() < deadline:  # where nothing answers at the posted port, the post is the dead group's
-        port = int(torchrun_store.get("group_store_port"))
-        try:
-            socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
-            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        except OSError:
-            time.sleep(0.1)
-    sys.exit(f"error: rank 0 opened no store for this group within --timeout {timeout.total_seconds():g}s")
-
-
 def main(args):
     # torchrun numbers the processes: RANK in the whole job, LOCAL_RANK on this machine (which picks its GPU).
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
@@ -350,6 +328,28 @@ def parse_args(argv=None):
         parser.error(f"1F1B needs at least one micro-batch a stage: --microbatches {args.microbatches} < "
                      f"{stages} stages")
     return args
+
+
+def group_store(rank, world_size, timeout):
+    """Under torchrun, a store of this group's own: torchrun's outlives a restart with the dead group's keys, and a
+    restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host = os.environ["MASTER_ADDR"]
+    torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:  # a fresh store, its port posted in torchrun's
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        torchrun_store.set("group_store_port", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:  # where nothing answers at the posted port, the post is the dead group's
+        port = int(torchrun_store.get("group_store_port"))
+        try:
+            socket.create_connection((host, port), timeout=3).close()  # refused at once where rank 0 died
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except OSError:
+            time.sleep(0.1)
+    sys.exit(f"error: rank 0 opened no store for this group within --timeout {timeout.total_seconds():g}s")
 
 
 if __name__ == "__main__":

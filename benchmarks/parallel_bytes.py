@@ -1,7 +1,7 @@
 """The bytes each rank sends in a training step, counted by the kernel, beside the formula, for each layout of
 tensor_parallel.py, pipeline_parallel.py and nd_parallel.py; and the step time on the CPU (gloo).
 
-    python benchmarks/parallel_bytes.py              # 11 layouts on 2, 4 and 8 processes (about 3 min on 2 cores)
+    python benchmarks/parallel_bytes.py              # 11 layouts on 2, 4 and 8 processes (2 to 4 min on 2 cores)
     python benchmarks/parallel_bytes.py --quick      # the 4 layouts of 2 processes, 4 steps each
 
 One torchrun job per world size runs its layouts one after the other: a worker imports each script and calls its
@@ -273,6 +273,7 @@ def main(args):
                                 f"samples into more than {WARMUP} step, and 4 must divide it (4 data-parallel "
                                 "ranks, or 4 micro-batches)")
     layouts = [layout for layout in LAYOUTS if not args.quick or layout[1] == 2]
+    load_before = report.machine()["load_average_1_5_15min"]  # the machine is recorded at the end, with this
     results, collectives = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "worker.py").write_text(WORKER.format(repo=str(REPO)))
@@ -286,7 +287,7 @@ def main(args):
     for r in results:
         for row in r["ranks"]:
             rows.append([r["layout"] if row["rank"] == 0 else "", row["rank"], f"{row['bytes_per_step']:,.0f}",
-                         f"{row['formula_bytes']:,}", f"{row['ratio']:.3f}" if row["ratio"] else "-",
+                         f"{row['formula_bytes']:,}", f"{row['ratio']:.3f}",
                          ", ".join(f"{peer} {value:,.0f}" for peer, value in row["to"].items()),
                          f"{1000 * r['step_s']:.1f}" if row["rank"] == 0 else ""])
     print(report.table(["layout", "rank", "bytes sent/step", "formula", "ratio", "to rank: bytes", "step ms"], rows))
@@ -295,7 +296,8 @@ def main(args):
               ", ".join(f"{name} {factor:.3f}" for name, factor in factors.items()))
     out = Path(args.out)
     report.write_json(out / "parallel_bytes.json", {
-        "machine": info, "torch": info["torch"], "backend": "gloo", "global_batch_size": args.global_batch_size,
+        "machine": info, "load_average_before": load_before, "torch": info["torch"], "backend": "gloo",
+        "global_batch_size": args.global_batch_size,
         "model": {"input": INPUT_SIZE, "width": 64, "hidden": 256, "depth": 4}, "warmup_steps": WARMUP,
         "quick": args.quick, "collectives": collectives, "results": results})
     plot(results, args.global_batch_size, out / "parallel_bytes.png")

@@ -180,7 +180,7 @@ def check_parallel_bytes(data):
     cross), at most 5% above (gloo's headers); the ranks of one pipeline stage send the same bytes (to 1%: gloo's
     headers differ by a few bytes); nothing sent between steps, nor to the store; each rank sends only to ranks
     that share a group with it (one mesh coordinate apart; pipeline stages to their neighbours)."""
-    assert_machine(data, "gloo", None)
+    assert data["backend"] == "gloo" and data["machine"]["cpu_cores"] >= 1
     for n, factors in data["collectives"].items():  # gloo's own, counted: ring all-reduce and all-gather
         n = int(n)
         assert factors["all_reduce"] == pytest.approx(2 * (n - 1) / n, rel=0.01)
@@ -225,6 +225,7 @@ def test_parallel_bytes_counts_what_the_formula_says(tmp_path):
     result = run([sys.executable, REPO / "benchmarks/parallel_bytes.py", "--quick", "--out", tmp_path], cwd=REPO,
                  timeout=300)
     data = json.loads((tmp_path / "parallel_bytes.json").read_text())
+    assert_machine(data, "gloo", None)
     check_parallel_bytes(data)
     model = BlockMLP(20, 64, 256, 4)
     whole = 4 * sum(p.numel() for p in model.parameters())

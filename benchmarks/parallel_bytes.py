@@ -255,7 +255,8 @@ def plot(results, batch, path):
                  label=label)
     left.set_xticks(list(x), names, rotation=35, ha="right")
     left.set_ylabel("KiB sent per step, the busiest rank")
-    left.legend()
+    left.set_ylim(0, 1.35 * left.get_ylim()[1])  # room for the legend above the bars
+    left.legend(loc="upper left")
     right.barh(names, [1000 * r["step_s"] for r in results])
     right.invert_yaxis()
     right.set_xlabel("step time, ms (CPU, gloo)")

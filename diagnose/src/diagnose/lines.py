@@ -139,6 +139,30 @@ def describe_entry(entry, waited=None):
             "shapes": shapes or None, "group": str(group[1] or group[0]), "waited": waited}
 
 
+def describe_p2p(op, stages=(), waited=None):
+    """A point-to-point op (parallel.blocked's) as the line needs it; `stages`: this rank's pipeline stages
+    (parallel.stages), which name the peer by its stage and say what goes between them."""
+    peer = op.get("peer")
+    peer_text = "any rank" if peer is None else f"rank {peer}"
+    purpose = None
+    for stage in stages:
+        mine = stage["index"]
+        near = [index for index, rank in stage.get("ranks", {}).items() if rank == peer and abs(index - mine) == 1]
+        if near:
+            other = near[0]
+            peer_text = f"stage {other} (rank {peer})"
+            forward = (other < mine) == (op["kind"] == "recv")  # activations flow up the stages, gradients down
+            if op["kind"] == "recv":
+                purpose = f"the activations for stage {mine}'s forward" if forward else \
+                    f"the gradients for stage {mine}'s backward"
+            else:
+                purpose = f"stage {mine}'s activations" if forward else f"stage {mine}'s gradients"
+            break
+    return {"seq": None, "kind": op["kind"], "p2p": True, "peer": ("from " if op["kind"] == "recv" else "to ")
+            + peer_text, "peer_rank": peer, "purpose": purpose, "shapes": op.get("shapes"),
+            "group": str(op.get("group") or "0"), "waited": waited}
+
+
 def dump_folder(when):
     return os.path.join(DUMP_ROOT, time.strftime("%Y%m%d-%H%M%S", time.localtime(when)))
 
@@ -190,11 +214,20 @@ def ranks_text(ranks):
 
 
 def collective(entry, view=None, number=True):
-    """'#37 (all_reduce of [5569], DDP's gradients in backward() at train.py:70)'."""
+    """'#37 (all_reduce of [5569], DDP's gradients in backward() at train.py:70)'; a point-to-point op:
+    'p2p recv of [64, 16] from stage 0 (rank 0), the activations for stage 1's forward, at train.py:80'."""
+    if entry and entry.get("p2p"):
+        text = f"p2p {entry['kind']}" + (f" of {entry['shapes']}" if entry.get("shapes") else "") + f" {entry['peer']}"
+        text += f", {entry['purpose']}" if entry.get("purpose") else ""
+        if view and view.get("where"):
+            text += ("," if entry.get("purpose") else "") + f" at {view['where']}"
+        return text
     parts = []
     if entry and entry.get("kind"):
         parts.append(entry["kind"] + (f" of {entry['shapes']}" if entry.get("shapes") else ""))
-    if view and view.get("backward"):
+    if entry and entry.get("origin"):  # DTensor's, FSDP's (parallel.origin)
+        parts.append(entry["origin"])
+    elif view and view.get("backward"):
         parts.append("DDP's gradients in backward()")
     described = ", ".join(parts)
     if view and view.get("where"):
@@ -254,8 +287,10 @@ def _silent(rank, known):
     return f"rank {rank} did not answer ({where or 'never registered'}): gone, or out of reach"
 
 
-def _elsewhere(rank, view):
-    text = f"rank {rank} did not arrive: it is alive, in its own code at {view.get('where') or '?'}"
+def _elsewhere(rank, view, awaited=None):
+    """A rank in its own code; `awaited`: the p2p op a peer waits for from it ('send': the peer's recv waits)."""
+    did = {"send": "did not send it", "recv": "did not receive it"}.get(awaited, "did not arrive")
+    text = f"rank {rank} {did}: it is alive, in its own code at {view.get('where') or '?'}"
     if view.get("inner"):
         text += f" (innermost: {view['inner']})"
     busy = view.get("busy")
@@ -299,7 +334,7 @@ def compose(question, answers, who, world_size):
     # The collective: the one most waiting ranks are in (the asker's, if it failed).
     signatures = {}
     for rank, entry in sorted(waiting.items()):
-        signature = (entry["seq"], entry["kind"], entry["shapes"], answers[rank].get("where"))
+        signature = (entry["seq"], entry["kind"], entry.get("peer"), entry["shapes"], answers[rank].get("where"))
         signatures.setdefault(signature, []).append(rank)
     asker = answers.get(question["by"], {})
     if signatures:
@@ -308,11 +343,11 @@ def compose(question, answers, who, world_size):
         head_entry, head_view = waiting[first], answers[first]
     else:
         head_entry, head_view = (asker.get("last") or {}), asker
+    what = ("" if head_entry.get("p2p") else "collective ") + collective(head_entry, head_view)
     if question["reason"] == "timeout":
-        head = (f"collective {collective(head_entry, head_view)} waited more than --timeout "
-                f"{question['timeout']:g}s")
+        head = f"{what} waited more than --timeout {question['timeout']:g}s"
     else:
-        head = f"collective {collective(head_entry, head_view)} failed ({asker.get('error')})"
+        head = f"{what} failed ({asker.get('error')})"
     if len(signatures) > 1:
         seqs = {s[0] for s in signatures}
         sides = "; ".join(f"{ranks_text(ranks)} in {collective(waiting[ranks[0]], answers[ranks[0]], len(seqs) > 1)}"
@@ -323,8 +358,13 @@ def compose(question, answers, who, world_size):
             odd = f"; {ranks_text(min(signatures.values(), key=len))} is the odd one out"
         parts.append(f"the ranks wait in different collectives: {sides}{odd} (a rank skipped a collective, or "
                      "called another or another shape in its place)")
+    # A rank that p2p ops wait on (a pipeline's peer stage): it did not send, or did not receive.
+    awaited = {}
+    for entry in waiting.values():
+        if entry.get("p2p") and entry.get("peer_rank") is not None:
+            awaited.setdefault(entry["peer_rank"], "send" if entry["kind"] == "recv" else "recv")
     for rank in elsewhere:
-        parts.append(_elsewhere(rank, answers[rank]))
+        parts.append(_elsewhere(rank, answers[rank], awaited.get(rank)))
     silent = sorted(set(range(world_size)) - set(answers))
     for rank in silent:
         parts.append(_silent(rank, who.get(rank, {})))

@@ -1,7 +1,7 @@
 """What torchdiagnose adds to each process of a job (see diagnose/__init__.py for what it does).
 
 Armed by diagnose.hook (which torchdiagnose-hook.pth imports where the prefix set DIAGNOSE_TIMEOUT), it waits for
-torch.distributed to be imported and patches three places, and nothing else:
+torch.distributed to be imported and patches four places, and nothing else:
 
 - init_process_group: as it waits, this rank checks in at the rendezvous store (so that a rank that waits too
   long names the ranks that have not come); once the default group exists, this rank registers its pid and host
@@ -13,13 +13,16 @@ torch.distributed to be imported and patches three places, and nothing else:
   collective that failed because a peer left becomes the same one line, asked of the other ranks.
 - in a launcher that is a Python process (torchrun's agent, mp.spawn's parent), reaping a child: a rank's exit
   code or signal, and the signal that stopped it, are written where the ranks of the node can read them.
+- isend and irecv (and through them send, recv, batch_isend_irecv and torch.distributed.pipelining): each op is
+  noted, as gloo's flight recorder does not record them (diagnose/parallel.py).
 
 The tool's own frames are taken out of every traceback that passes through its wrappers (_hide_frame): the
 user's traceback reads as without the tool.
 
 The watchdog costs, every POLL_S seconds, one call per group (its count of collectives issued) and one look at
 the store (a key that is there once a rank asks). Only when a count stands still does it read torch's flight
-recorder (a few ms), and only for collectives still running.
+recorder (a few ms), and only for collectives still running, then the point-to-point op the main thread waits on.
+A point-to-point op costs its note (about a microsecond).
 
 Private torch APIs used (PRIVATE_APIS; on a torch that lacks one, one line names it and the job runs untouched):
 - torch._C._distributed_c10d._dump_fr_trace: the flight recorder's entries (torch exposes no public reader).
@@ -46,7 +49,7 @@ import traceback
 from datetime import timedelta
 
 import diagnose
-from diagnose import address as rendezvous, lines, names, node
+from diagnose import address as rendezvous, lines, names, node, parallel
 
 POLL_S = 0.5  # how often the watchdog looks at the groups' counts, and whether another rank asks
 LEAVE_S = 2.0  # the longest a rank that ends waits for the others to end too (see _leave)
@@ -198,6 +201,10 @@ def _number(value, allow_zero=False):
 
 
 def _patch_c10d(c10d):
+    try:
+        parallel.wrap(c10d)
+    except Exception as error:  # noqa: BLE001  a torch unlike the one tested: collectives are still watched
+        _say(f"diagnose: not watching point-to-point ops ({lines.one_line(error)})")
     init = c10d.init_process_group
 
     def init_process_group(*args, **kwargs):
@@ -430,6 +437,7 @@ def _started(c10d):
     store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
     store.set(names.who(rank), json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname()}))
     STATE.store = store
+    parallel.watching[0] = True
     _install_hooks()
     atexit.register(_leave)
     work_around_detail_crash()
@@ -581,9 +589,14 @@ def _watch():
         if now < next_look:
             continue
         running = running_collectives()
-        if not running:
-            next_look = float("inf")  # nothing runs: this rank is in its own code until a count moves
-            continue
+        if not running:  # no collective: a point-to-point op (not in gloo's flight recorder) the rank waits on?
+            blocked = parallel.blocked(_main_frame())
+            if blocked is None:
+                # nothing runs: this rank is in its own code until a count moves (or until a p2p op it issued
+                # and has not waited on yet holds it)
+                next_look = now + min(limit, 2.0) if parallel.pending() else float("inf")
+                continue
+            running = [blocked]
         waited = running[0][0]
         if waited < limit:
             next_look = now + (limit - waited)
@@ -611,6 +624,7 @@ def _leave():
     so in the store, and wait (at most LEAVE_S) until every rank has: the rank that hosts the store must not
     take it away while another still looks at it (TCPStore prints a C++ backtrace for each such look). Then
     let go of this tool's store client before torch tears the group down."""
+    parallel.stop()
     with STATE.lock:
         if STATE.closing or STATE.store is None:
             STATE.closing = True
@@ -676,14 +690,33 @@ def _main_thread_running():
     return samples.count("R") / len(samples)
 
 
+def _main_frame():
+    return sys._current_frames().get(threading.main_thread().ident)
+
+
+def _innermost(tb):
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame if tb is not None else None
+
+
 def view(error=None):
     """What this rank is doing: a dict that json carries to the others."""
     me = {"rank": _rank(), "pid": os.getpid(), "host": socket.gethostname(), "error": None}
-    dump = _recorder()
+    dump = _recorder(with_stacks=True)  # the stacks say where DTensor's collectives come from
     running = running_collectives(dump)
     me["recorder"] = bool(dump and dump.get("entries"))
     me["running"] = [lines.describe_entry(entry, waited) for waited, entry in running[:3]]
-    if error is not None and not running:
+    inner = _innermost(error.__traceback__) if error is not None else _main_frame()
+    try:
+        if running:
+            me["running"][0]["origin"] = parallel.origin(running[0][1], inner)
+        else:
+            p2p = parallel.describe_blocked(inner, failed=error is not None)
+            me["running"] = [p2p[1]] if p2p else []
+    except Exception:  # noqa: BLE001  a model or schedule unlike torch 2.13's: the line says less
+        pass
+    if error is not None and not me["running"]:
         me["last"] = last_collective(dump)
     frames = None
     if error is not None:
@@ -691,10 +724,9 @@ def view(error=None):
         me["error"] = lines.short_error(str(error))
         me["mismatch"] = lines.mismatch(str(error))
     else:
-        main = sys._current_frames().get(threading.main_thread().ident)
-        if main is not None:
-            frames = traceback.extract_stack(main)
-        if not running:  # in its own code: busy (a long phase) or idle (waiting for something)
+        if inner is not None:
+            frames = traceback.extract_stack(inner)
+        if not me["running"]:  # in its own code: busy (a long phase) or idle (waiting for something)
             me["busy"] = _main_thread_running()
     me["where"], me["inner"] = lines.user_site(frames or [])
     me["backward"] = lines.in_backward(frames or [])

@@ -1,0 +1,223 @@
+"""What tensor and pipeline parallelism add to a rank's answer: the DTensor layer whose collective waits, and the
+point-to-point send or recv that a pipeline stage waits for.
+
+DTensor's collectives (ColwiseParallel, RowwiseParallel, any redistribute) go through the functional collectives to
+the process group, so torch's flight recorder sees them, with the Python stack that issued them: origin() reads the
+parallel style from that stack, and the module it was applied to from the modules the rank's main thread is in.
+
+Point-to-point ops (dist.isend/irecv, and so send/recv, batch_isend_irecv's P2POp list, torch.distributed.pipelining)
+are not in gloo's flight recorder, though they advance the group's count. isend and irecv are wrapped: each op is
+noted (kind, peer, shape, when, a weak reference to its Work) in a ring of the last RING ops; blocked() finds the
+op whose Work the main thread waits on (a local of its innermost frames). The note costs about a microsecond an op
+and holds no tensor. stages() reads the pipeline's stages from the schedule the main thread runs, so that a peer
+is named by its stage.
+
+Only note() runs while the job is healthy; the rest runs when a rank is asked, or when the watchdog has seen the
+counts stand still.
+"""
+import collections
+import functools
+import time
+import weakref
+
+from diagnose import lines
+
+RING = 256  # the last point-to-point ops noted: a stage waits on one of its newest
+FRAMES = 3  # how many of the main thread's innermost frames may hold the Work it waits on
+
+_ops = collections.deque(maxlen=RING)  # (weakref to Work, kind, peer, group name or None, shape, monotonic time)
+watching = [False]  # set once this rank watches (rank.py's _started), cleared as the group goes
+
+
+def wrap(c10d):
+    """Wrap c10d.isend and c10d.irecv (before torch.distributed copies the names: its own isend is then this one,
+    as are P2POp's and batch_isend_irecv's)."""
+    for name, kind, peer_names in (("isend", "send", ("dst", "group_dst")), ("irecv", "recv", ("src", "group_src"))):
+        original = getattr(c10d, name)
+        wrapped = functools.update_wrapper(_noting(original, kind, *peer_names), original)
+        setattr(c10d, name, wrapped)
+
+
+def _noting(original, kind, global_name, group_name):
+    def op(*args, **kwargs):
+        work = original(*args, **kwargs)
+        if work is not None and watching[0]:
+            try:
+                note(work, kind, args, kwargs, global_name, group_name)
+            except Exception:  # noqa: BLE001  a call shaped unlike torch 2.13's: the op goes on, unnoted
+                pass
+        return work
+    return op
+
+
+def note(work, kind, args, kwargs, global_name, group_name):
+    # isend(tensor, dst=None, group=None, tag=0, group_dst=None); irecv(tensor, src=None, group=None, tag=0, group_src)
+    tensor = args[0] if args else kwargs.get("tensor")
+    peer = args[1] if len(args) > 1 else kwargs.get(global_name)
+    group = args[2] if len(args) > 2 else kwargs.get("group")
+    in_group = args[4] if len(args) > 4 else kwargs.get(group_name)
+    name = group.group_name if group is not None else None  # the name, not the group: it must not outlive its end
+    where = ("global", peer) if peer is not None else ("group", in_group)
+    _ops.append((weakref.ref(work), kind, where, name, tuple(tensor.shape), time.monotonic()))
+
+
+def stop():
+    """The group goes: let go of every note."""
+    watching[0] = False
+    _ops.clear()
+
+
+def _global_rank(where, group_name):
+    scope, rank = where
+    if rank is None or scope == "global":
+        return rank
+    from torch.distributed import distributed_c10d as c10d
+    for group, name in list(c10d._world.pg_names.items()):
+        if name == group_name or (group_name is None and group is c10d._world.default_pg):
+            return c10d.get_global_rank(group, rank)
+    return None
+
+
+def _works(frame):
+    """The Work objects held by the locals of `frame` (each, or in a list or tuple)."""
+    from torch.distributed import Work
+    found = []
+    for value in frame.f_locals.values():
+        if isinstance(value, Work):
+            found.append(value)
+        elif isinstance(value, (list, tuple)) and len(value) < 64:
+            found += [v for v in value if isinstance(v, Work)]
+    return found
+
+
+def blocked(frame, failed=False):
+    """The noted point-to-point op the thread whose innermost frame is `frame` waits on: (seconds since it was
+    issued, {"kind", "peer", "shapes", "group"}), or None. A frame that holds several pending ones: the oldest.
+    `failed`: `frame` is where an error was raised (its op completed, with the error)."""
+    if frame is None or not _ops:
+        return None
+    noted = {}
+    for ref, *rest in list(_ops):
+        work = ref()
+        if work is not None:
+            noted[id(work)] = (work, rest)
+    for _ in range(FRAMES):
+        if frame is None:
+            break
+        held = [noted[id(w)] for w in _works(frame) if id(w) in noted and noted[id(w)][0] is w]
+        pending = [rest for work, rest in held if failed or not _completed(work)]
+        if pending:
+            kind, where, group, shape, issued = min(pending, key=lambda rest: rest[-1])
+            return time.monotonic() - issued, {"kind": kind, "peer": _global_rank(where, group),
+                                               "shapes": "[" + ", ".join(map(str, shape)) + "]", "group": group}
+        frame = frame.f_back
+    return None
+
+
+def _completed(work):
+    try:
+        return work.is_completed()
+    except Exception:  # noqa: BLE001  a Work that cannot say: taken as pending
+        return False
+
+
+def pending():
+    """Whether a noted op's Work still lives and has not completed (gloo completes one only once it is waited on)."""
+    return any((work := ref()) is not None and not _completed(work) for ref, *_ in list(_ops))
+
+
+def stages(frame):
+    """The pipeline stages of the schedule the thread runs (torch.distributed.pipelining), from its frames: a list
+    of {"index": stage, "ranks": {stage: global rank}}; [] outside a pipeline."""
+    while frame is not None:
+        if "/torch/distributed/pipelining/" in frame.f_code.co_filename.replace("\\", "/"):
+            owner = frame.f_locals.get("self")
+            found = getattr(owner, "_stages", None) or ([owner._stage] if hasattr(owner, "_stage") else None)
+            if found:
+                return [_stage(stage) for stage in found]
+        frame = frame.f_back
+    return []
+
+
+def _stage(stage):
+    ranks = {}
+    for index in getattr(stage, "stage_index_to_group_rank", {}):
+        try:
+            ranks[index] = stage._resolve_peer_global_rank(index)
+        except Exception:  # noqa: BLE001  a stage of another torch: named by rank alone
+            pass
+    return {"index": stage.stage_index, "ranks": ranks}
+
+
+def describe_blocked(frame, failed=False):
+    """(seconds waited, the p2p op as the line names it) for the op the thread of `frame` waits on, or None."""
+    found = blocked(frame, failed)
+    if found is None:
+        return None
+    waited, op = found
+    return waited, lines.describe_p2p(op, stages(frame), waited)
+
+
+# ---- DTensor ----
+
+STYLE_FILE = "/torch/distributed/tensor/parallel/style.py"
+
+
+def origin(entry, frame):
+    """Where a flight recorder entry's collective came from, for the line: "DTensor in RowwiseParallel of
+    blocks.0.fc2", "DTensor's gradients in backward()", "FSDP's", or None (a collective the script called itself, or
+    DDP's: lines.collective names those). `frame`: the innermost frame of the thread that waits (its modules)."""
+    frames = [(str(f.get("filename", "")).replace("\\", "/"), f.get("name"), f.get("line"))
+              for f in entry.get("frames") or []]
+    backward = any(name in ("backward", "_engine_run_backward") and "/torch/" in file for file, name, _ in frames)
+    if any("/torch/distributed/tensor/" in file for file, _, _ in frames):
+        if backward:
+            return "DTensor's gradients in backward()"
+        style = next(((file, name, line) for file, name, line in frames if file.endswith(STYLE_FILE)), None)
+        if style is None:
+            return "DTensor"
+        named, module = _styled_module(style, frame)
+        return f"DTensor in {named or 'a parallel style'}" + (f" of {module}" if module else "")
+    if any("/torch/distributed/fsdp/" in file for file, _, _ in frames):
+        return "FSDP's gradients in backward()" if backward else "FSDP's"
+    return None
+
+
+def _styled_module(style, frame):
+    """(the parallel style's class, the module's name in the model) for a style.py frame of the issuing stack: among
+    the modules the thread is in, innermost first, the one submodule whose hooks run that style function."""
+    modules = []
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_call_impl" and code.co_filename.replace("\\", "/").endswith("/torch/nn/modules/module.py"):
+            modules.append(frame.f_locals.get("self"))
+        frame = frame.f_back
+    modules = [m for m in modules if m is not None][::-1]  # outermost (the model) first
+    for container in reversed(modules):
+        found = [(named, sub) for sub in container.modules() if (named := _style_of(sub, style))]
+        if len(found) == 1:
+            named, sub = found[0]
+            name = next((n for n, m in modules[0].named_modules() if m is sub), None)
+            return named, name or None
+        if found:
+            return found[0][0], None
+    return None, None
+
+
+def _style_of(module, style):
+    """The class name of the parallel style whose function `style` (file, name, line) runs in `module`'s hooks."""
+    file, name, line = style
+    hooks = list(getattr(module, "_forward_hooks", {}).values()) + list(getattr(module, "_forward_pre_hooks",
+                                                                                {}).values())
+    for hook in hooks:
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            function = getattr(getattr(content, "func", None), "__func__", getattr(content, "func", None))
+            code = getattr(function, "__code__", None)
+            if code is not None and code.co_name == name and code.co_filename.replace("\\", "/") == file \
+                    and any(line == number for _, _, number in code.co_lines()):
+                return function.__qualname__.split(".")[0]
+    return None

@@ -1,8 +1,7 @@
 """The models and data the examples share: small enough to train on a laptop CPU in seconds.
 
-Every rank builds the synthetic datasets from the same seed with a generator of its own, so that the
-DistributedSampler shards one dataset, instead of each rank training on random numbers of its own. Copy this
-file beside an example you copy: it imports nothing but torch and the standard library.
+Every rank builds the synthetic datasets from one seed with a generator of its own: the DistributedSampler shards one
+dataset. Copy this file beside an example you copy: it imports nothing but torch and the standard library.
 """
 import gzip
 import os
@@ -107,8 +106,8 @@ MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 
 
 def read_idx(path):
-    """An IDX file of bytes (plain or .gz) as a uint8 tensor, its header checked against its size. A file that
-    is not one raises ValueError naming it."""
+    """An IDX file of bytes (plain or .gz) as a uint8 tensor, its header checked against its size; ValueError names
+    a file that is not one."""
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             data = f.read()
@@ -116,8 +115,8 @@ def read_idx(path):
         raise ValueError(f"{path} is not a whole gzip file ({error})") from None
     if len(data) < 4 or data[:3] != b"\x00\x00\x08":  # 0x08: unsigned bytes, what MNIST holds
         raise ValueError(f"{path} is not an IDX file of bytes (magic number {data[:4].hex() or 'none'})")
-    shape = struct.unpack(f">{data[3]}I", data[4:4 + 4 * data[3]])
     start = 4 + 4 * data[3]
+    shape = struct.unpack(f">{data[3]}I", data[4:start])
     if len(data) != start + torch.Size(shape).numel():
         raise ValueError(f"{path} is truncated or padded: its header promises {start + torch.Size(shape).numel()} "
                          f"bytes, it has {len(data)}")

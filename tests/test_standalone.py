@@ -24,6 +24,7 @@ LESSON_PACKAGES = {
     "run_with_mpirun.py": {"mpi4py"},
     "ddp.py": {"dotenv"},
     "fault_tolerant.py": {"torchft"},
+    "diloco.py": {"torchft"},
 }
 # fsdp.py's checkpoint protocol serves the steps after it too (tensor, pipeline and N-D parallelism).
 SIBLINGS = {name: {"models_and_data", "fsdp_checkpoint"}
@@ -134,12 +135,15 @@ def test_a_copied_example_runs_its_documented_command_alone(tmp_path, name):
 
 
 def test_every_example_has_a_copy_test():
-    untested = set(examples()) - set(COMMANDS) - {"hangs.py", "fault_tolerant.py"}  # each has a test of its own
+    untested = set(examples()) - set(COMMANDS) - {"hangs.py", "fault_tolerant.py", "diloco.py"}  # tests of their own
     assert not untested, f"examples without a command in COMMANDS: {sorted(untested)}"
 
 
-def test_a_copied_fault_tolerant_py_trains_one_group_with_a_lighthouse(tmp_path):
-    script = copy_alone("fault_tolerant.py", tmp_path / "copy")
+@pytest.mark.parametrize("name, args, done", [
+    ("fault_tolerant.py", ("--steps", "20"), r"^Step 20 \|"),
+    ("diloco.py", ("--sync_every", "5", "--steps", "20"), r"^Summary: steps 20 \|")])
+def test_a_copied_torchft_example_trains_one_group_with_a_lighthouse(tmp_path, name, args, done):
+    script = copy_alone(name, tmp_path / "copy")
     port = free_port()
     lighthouse = start([BIN / "torchft_lighthouse", "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
                         "--join_timeout_ms", "1000"], cwd=tmp_path, env={**env_alone(""), "RUST_LOG": "warn"})
@@ -148,12 +152,12 @@ def test_a_copied_fault_tolerant_py_trains_one_group_with_a_lighthouse(tmp_path)
             assert lighthouse.poll() is None, lighthouse.stdout.read()
             time.sleep(0.05)
         out = run([*TORCHRUN[:-1], "--nproc_per_node=1", script.name, "--replica_id", "0", "--num_replicas", "1",
-                   "--steps", "20", "--lighthouse", f"http://127.0.0.1:{port}"], cwd=script.parent,
-                  env=env_alone("fault_tolerant.py"), timeout=300).stdout
+                   *args, "--lighthouse", f"http://127.0.0.1:{port}"], cwd=script.parent, env=env_alone(name),
+                  timeout=300).stdout
     finally:
         lighthouse.kill()
         finish(lighthouse, 30)
-    assert re.search(r"^Step 20 \|", out, re.M), out[-3000:]
+    assert re.search(done, out, re.M), out[-3000:]
 
 
 def test_a_copied_hangs_py_trains_without_a_fault_and_shows_a_stall_as_torchs_timeout_without_the_tool(tmp_path):

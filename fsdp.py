@@ -127,7 +127,7 @@ class Trainer:
                  f"backend {dist.get_backend()}")
 
 
-def load_train_objs(seed, mesh, amp, device):
+def load_train_objs(seed, mesh, amp, device, compile=False):
     train_set = regression_dataset(2048, seed=seed)
     with torch.device("meta"):  # shapes without storage: the full model never exists on one rank
         model = BlockMLP(input_size=20)
@@ -135,6 +135,8 @@ def load_train_objs(seed, mesh, amp, device):
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = bf16 if amp else MixedPrecisionPolicy()  # by default everything in the weights' dtype
     for block in model.blocks:  # each block is gathered for its forward and its backward, and freed after
+        if compile:  # each block compiled in place (its keys stay), before FSDP2 adds its hooks, which run eagerly
+            block.compile()
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: input, norm and output layers
     init_shards(model, seed, device)  # storage for this rank's shards alone, and their first weights
@@ -195,7 +197,7 @@ def main(args):
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,))  # one dimension: shard over all ranks
-    dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp, device)
+    dataset, model, optimizer = load_train_objs(args.seed, mesh, args.amp, device, args.compile)
     # Every rank builds the same dataset (same seed). Each step takes the next global batch of the epoch's order and
     # gives every rank a piece; the position in that order is what a mid-epoch checkpoint keeps.
     sampler = GlobalOrderSampler(len(dataset), rank, world_size, args.global_batch_size or args.batch_size * world_size,
@@ -229,6 +231,7 @@ def parse_args(argv=None):
     parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
     parser.add_argument("--amp", action="store_true", help="bf16 compute; fp32 gradient reduction and weights")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block (resumes either way)")
     parser.add_argument("--async_save", action="store_true", help="write checkpoints while training goes on")
     parser.add_argument("--export_path", help="at the end, write the full state to this file (torch.save)")
     parser.add_argument("--save_every_steps", type=int, help="also a checkpoint every N steps, mid-epoch")
@@ -274,11 +277,7 @@ if __name__ == "__main__":
     except (Exception, SystemExit) as error:
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
-        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
-        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
-        if isinstance(error, SystemExit):  # sys.exit("error: ...")
-            print(error.code, file=sys.stderr)
-        else:  # the traceback, also to any hook a tool installed
-            sys.excepthook(*sys.exc_info())
+        # The group lives on: Python's own exit could abort in gloo's threads. Say why as Python would; leave now.
+        print(error.code, file=sys.stderr) if isinstance(error, SystemExit) else sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         os._exit(1)

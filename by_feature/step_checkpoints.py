@@ -321,11 +321,7 @@ if __name__ == "__main__":
     except (Exception, SystemExit) as error:
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
-        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
-        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
-        if isinstance(error, SystemExit):  # sys.exit("error: ...")
-            print(error.code, file=sys.stderr)
-        else:  # the traceback, also to any hook a tool installed
-            sys.excepthook(*sys.exc_info())
+        # The group lives on: Python's own exit could abort in gloo's threads. Say why as Python would; leave now.
+        print(error.code, file=sys.stderr) if isinstance(error, SystemExit) else sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         os._exit(1)

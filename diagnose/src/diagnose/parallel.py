@@ -25,40 +25,48 @@ from diagnose import lines
 RING = 256  # the last point-to-point ops noted: a stage waits on one of its newest
 FRAMES = 3  # how many of the main thread's innermost frames may hold the Work it waits on
 
-_ops = collections.deque(maxlen=RING)  # (weakref to Work, kind, peer, group name or None, shape, monotonic time)
+# (weakref to Work, kind, peer (global rank), peer in its group, id of the group (None: default), Size, issued at)
+_ops = collections.deque(maxlen=RING)
 watching = [False]  # set once this rank watches (rank.py's _started), cleared as the group goes
+
+
+SIGNATURES = {"isend": ("tensor", "dst", "group", "tag", "group_dst"),
+              "irecv": ("tensor", "src", "group", "tag", "group_src")}  # torch 2.13's
 
 
 def wrap(c10d):
     """Wrap c10d.isend and c10d.irecv (before torch.distributed copies the names: its own isend is then this one,
-    as are P2POp's and batch_isend_irecv's)."""
-    for name, kind, peer_names in (("isend", "send", ("dst", "group_dst")), ("irecv", "recv", ("src", "group_src"))):
+    as are P2POp's and batch_isend_irecv's). Only where their signature is torch 2.13's: the wrappers pass the
+    arguments on as they are, and read them without a look-up."""
+    import inspect
+    for name, wrapper in (("isend", _isend), ("irecv", _irecv)):
         original = getattr(c10d, name)
-        wrapped = functools.update_wrapper(_noting(original, kind, *peer_names), original)
-        setattr(c10d, name, wrapped)
+        if tuple(inspect.signature(original).parameters) != SIGNATURES[name]:
+            raise RuntimeError(f"{name} has another signature")
+        setattr(c10d, name, functools.update_wrapper(wrapper(original), original))
 
 
-def _noting(original, kind, global_name, group_name):
-    def op(*args, **kwargs):
-        work = original(*args, **kwargs)
+# The note: the group's id, not the group (it must not outlive its end); the tensor's Size, not the tensor.
+_ref, _now = weakref.ref, time.monotonic
+
+def _isend(original):
+    def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+        work = original(tensor, dst, group, tag, group_dst)
         if work is not None and watching[0]:
-            try:
-                note(work, kind, args, kwargs, global_name, group_name)
-            except Exception:  # noqa: BLE001  a call shaped unlike torch 2.13's: the op goes on, unnoted
-                pass
+            _ops.append((_ref(work), "send", dst, group_dst, group if group is None else id(group), tensor.shape,
+                         _now()))
         return work
-    return op
+    return isend
 
 
-def note(work, kind, args, kwargs, global_name, group_name):
-    # isend(tensor, dst=None, group=None, tag=0, group_dst=None); irecv(tensor, src=None, group=None, tag=0, group_src)
-    tensor = args[0] if args else kwargs.get("tensor")
-    peer = args[1] if len(args) > 1 else kwargs.get(global_name)
-    group = args[2] if len(args) > 2 else kwargs.get("group")
-    in_group = args[4] if len(args) > 4 else kwargs.get(group_name)
-    name = group.group_name if group is not None else None  # the name, not the group: it must not outlive its end
-    where = ("global", peer) if peer is not None else ("group", in_group)
-    _ops.append((weakref.ref(work), kind, where, name, tuple(tensor.shape), time.monotonic()))
+def _irecv(original):
+    def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+        work = original(tensor, src, group, tag, group_src)
+        if work is not None and watching[0]:
+            _ops.append((_ref(work), "recv", src, group_src, group if group is None else id(group), tensor.shape,
+                         _now()))
+        return work
+    return irecv
 
 
 def stop():
@@ -67,15 +75,22 @@ def stop():
     _ops.clear()
 
 
-def _global_rank(where, group_name):
-    scope, rank = where
-    if rank is None or scope == "global":
-        return rank
+def _group(group_id):
+    """The live group of that id (None: the default group), or None."""
     from torch.distributed import distributed_c10d as c10d
-    for group, name in list(c10d._world.pg_names.items()):
-        if name == group_name or (group_name is None and group is c10d._world.default_pg):
-            return c10d.get_global_rank(group, rank)
-    return None
+    if group_id is None:
+        return c10d._world.default_pg
+    return next((group for group in list(c10d._world.pg_names) if id(group) == group_id), None)
+
+
+def _global_rank(peer, group_peer, group):
+    if peer is not None or group_peer is None:
+        return peer
+    from torch.distributed import distributed_c10d as c10d
+    try:
+        return c10d.get_global_rank(group, group_peer)
+    except Exception:  # noqa: BLE001  the group went meanwhile
+        return None
 
 
 def _works(frame):
@@ -107,9 +122,11 @@ def blocked(frame, failed=False):
         held = [noted[id(w)] for w in _works(frame) if id(w) in noted and noted[id(w)][0] is w]
         pending = [rest for work, rest in held if failed or not _completed(work)]
         if pending:
-            kind, where, group, shape, issued = min(pending, key=lambda rest: rest[-1])
-            return time.monotonic() - issued, {"kind": kind, "peer": _global_rank(where, group),
-                                               "shapes": "[" + ", ".join(map(str, shape)) + "]", "group": group}
+            kind, peer, group_peer, group_id, shape, issued = min(pending, key=lambda rest: rest[-1])
+            group = _group(group_id)
+            name = getattr(group, "group_name", None)
+            return time.monotonic() - issued, {"kind": kind, "peer": _global_rank(peer, group_peer, group),
+                                               "shapes": "[" + ", ".join(map(str, shape)) + "]", "group": name}
         frame = frame.f_back
     return None
 

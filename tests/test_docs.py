@@ -25,7 +25,7 @@ FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.M | re.S)
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 FLAG = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_-]*")
 DIAGNOSE_FLAGS_WITH_VALUES = {"--timeout"}
-DIAGNOSE_FLAGS = {"--keep-waiting", "--help", *DIAGNOSE_FLAGS_WITH_VALUES}
+DIAGNOSE_FLAGS = {"--keep-waiting", "--help", "--version", *DIAGNOSE_FLAGS_WITH_VALUES}
 LAUNCHER_FLAGS_WITH_VALUES = {"-np", "-n", "-H", "-x", "--host", "--map-by", "--bind-to", "-N"}
 
 
@@ -72,10 +72,12 @@ def program_and_script(tokens):
     tokens = [t for t in tokens if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", t)]  # VAR=value prefixes
     while tokens and tokens[0] in ("env", "exec", "time"):
         tokens = tokens[1:]
-    if tokens[1:3] == ["-m", "diagnose"]:  # the diagnosis prefix: its own options, then the launch command
-        tokens = tokens[3:]
+    # the diagnosis prefix (torchdiagnose, or python -m diagnose): its own options, then the launch command
+    prefix = 1 if tokens[:1] == ["torchdiagnose"] else 3 if tokens[1:3] == ["-m", "diagnose"] else 0
+    if prefix:
+        tokens = tokens[prefix:]
         while tokens and tokens[0].startswith("--"):
-            assert tokens[0] in DIAGNOSE_FLAGS, f"python -m diagnose has no flag {tokens[0]}"
+            assert tokens[0] in DIAGNOSE_FLAGS, f"torchdiagnose has no flag {tokens[0]}"
             tokens = tokens[2:] if tokens[0] in DIAGNOSE_FLAGS_WITH_VALUES else tokens[1:]
     if not tokens:
         return None

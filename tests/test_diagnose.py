@@ -484,3 +484,36 @@ def test_a_host_the_script_itself_names_is_checked_in_the_rank(tmp_path):
     line = the_line(lines)
     assert code == 1 and f"'{BAD_HOST}' (init_method) does not resolve" in line, line
     assert time.monotonic() - began < 20
+
+
+def test_a_pipelines_p2p_ops_are_named_by_the_peer_stage_and_what_they_carry():
+    """lines.describe_p2p and compose on answers as pipeline stages post them (tensor_parallel.py's and
+    pipeline_parallel.py's real stalls: test_diagnose_parallel.py)."""
+    from diagnose import lines
+    question = {"by": 1, "reason": "timeout", "waited": 7.0, "timeout": 6.0, "folder": "fr_traces/x"}
+    three = [{"index": s, "ranks": {0: 0, 1: 1, 2: 2}} for s in range(3)]
+
+    def waiting(rank, kind, peer):
+        return {"rank": rank, "running": [lines.describe_p2p({"kind": kind, "peer": peer, "shapes": "[8, 4]"},
+                                                              [three[rank]], 7.0)],
+                "where": "pp.py:50", "inner": None, "backward": False, "error": None, "recorder": True}
+
+    idle = {"rank": 0, "running": [], "where": "pp.py:20", "inner": None, "error": None, "busy": 0.0,
+            "recorder": True}
+    line = lines.compose(question, {0: idle, 1: waiting(1, "recv", 0)}, {}, 2)
+    assert line.startswith("diagnose: p2p recv of [8, 4] from stage 0 (rank 0), the activations for stage 1's forward, "
+                           "at pp.py:50 waited more than --timeout 6s: rank 0 did not send it: it is alive, in its own "
+                           "code at pp.py:20, idle"), line
+    assert lines.collective(waiting(1, "recv", 2)["running"][0]) == \
+        "p2p recv of [8, 4] from stage 2 (rank 2), the gradients for stage 1's backward"
+    assert lines.collective(waiting(1, "send", 2)["running"][0]) == \
+        "p2p send of [8, 4] to stage 2 (rank 2), stage 1's activations"
+    assert lines.collective(waiting(1, "send", 0)["running"][0]) == \
+        "p2p send of [8, 4] to stage 0 (rank 0), stage 1's gradients"
+    # Outside a pipeline the peer is a rank; two ranks that each wait to receive from the other are two sides.
+    alone = lines.describe_p2p({"kind": "recv", "peer": 1, "shapes": "[2]"})
+    assert lines.collective(alone, {"where": "user.py:9"}) == "p2p recv of [2] from rank 1 at user.py:9"
+    both = lines.compose(question, {0: waiting(0, "recv", 1), 1: waiting(1, "recv", 0)}, {}, 2)
+    sides = ("the ranks wait in different collectives: rank 0 in p2p recv of [8, 4] from stage 1 (rank 1), the "
+             "gradients for stage 0's backward, at pp.py:50; rank 1 in p2p recv of [8, 4] from stage 0 (rank 0)")
+    assert sides in both, both

@@ -10,7 +10,8 @@ Install it where the job's Python runs (pip install ./diagnose from the reposito
 Every Python process of the job loads the tool at start-up (torchdiagnose-hook.pth, only under this prefix), and
 it watches each process group once the script makes it. Once a collective has waited longer than --timeout
 (default 300 s), whatever the group's own timeout, the ranks ask each other through the group's store and one line
-per host names the rank that did not arrive, the collective (its number, kind and shapes), the line of the script
+per host names the rank that did not arrive, the collective (its number, kind and shapes; DTensor's with its
+parallel style and module; for a pipeline, the send or recv and the stage it waits on), the line of the script
 that called it (for DDP, the backward() line), and what the missing rank is doing: in its own code (its line,
 busy or idle), stopped (SIGSTOP, Ctrl-Z, a debugger), gone (its exit code or signal), or in another collective. A
 rank that dies is named at once by the ranks it leaves; init_process_group that waits or fails is one line too.

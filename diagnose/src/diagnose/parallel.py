@@ -94,21 +94,23 @@ def _global_rank(peer, group_peer, group):
 
 
 def _works(frame):
-    """The Work objects held by the locals of `frame` (each, or in a list or tuple)."""
+    """The Work objects held by the locals of `frame`: first those held as they are (the one waited on, as in
+    `for w in works: w.wait()`), then those in a list or tuple."""
     from torch.distributed import Work
-    found = []
+    direct, listed = [], []
     for value in frame.f_locals.values():
         if isinstance(value, Work):
-            found.append(value)
+            direct.append(value)
         elif isinstance(value, (list, tuple)) and len(value) < 64:
-            found += [v for v in value if isinstance(v, Work)]
-    return found
+            listed += [v for v in value if isinstance(v, Work)]
+    return direct, listed
 
 
 def blocked(frame, failed=False):
     """The noted point-to-point op the thread whose innermost frame is `frame` waits on: (seconds since it was
-    issued, {"kind", "peer", "shapes", "group"}), or None. A frame that holds several pending ones: the oldest.
-    `failed`: `frame` is where an error was raised (its op completed, with the error)."""
+    issued, {"kind", "peer", "shapes", "group"}), or None. Among several pending ones a frame holds: one held as it is
+    before one in a list, the oldest first. `failed`: `frame` is where an error was raised (its op completed, with
+    the error)."""
     if frame is None or not _ops:
         return None
     noted = {}
@@ -119,14 +121,15 @@ def blocked(frame, failed=False):
     for _ in range(FRAMES):
         if frame is None:
             break
-        held = [noted[id(w)] for w in _works(frame) if id(w) in noted and noted[id(w)][0] is w]
-        pending = [rest for work, rest in held if failed or not _completed(work)]
-        if pending:
-            kind, peer, group_peer, group_id, shape, issued = min(pending, key=lambda rest: rest[-1])
-            group = _group(group_id)
-            name = getattr(group, "group_name", None)
-            return time.monotonic() - issued, {"kind": kind, "peer": _global_rank(peer, group_peer, group),
-                                               "shapes": "[" + ", ".join(map(str, shape)) + "]", "group": name}
+        for held in _works(frame):
+            pending = [noted[id(w)][1] for w in held if id(w) in noted and noted[id(w)][0] is w
+                       and (failed or not _completed(w))]
+            if pending:
+                kind, peer, group_peer, group_id, shape, issued = min(pending, key=lambda rest: rest[-1])
+                group = _group(group_id)
+                return time.monotonic() - issued, {"kind": kind, "peer": _global_rank(peer, group_peer, group),
+                                                   "shapes": "[" + ", ".join(map(str, shape)) + "]",
+                                                   "group": getattr(group, "group_name", None)}
         frame = frame.f_back
     return None
 

@@ -554,14 +554,14 @@ def running_collectives(dump=None):
 
 
 def last_collective(dump):
-    """The newest collective of the default group in the flight recorder, described; None without one."""
+    """The newest collective of the default group in the flight recorder (its entry); None without one."""
     from torch.distributed import distributed_c10d as c10d
     try:
         name = str(c10d._get_default_group().group_name)
     except Exception:  # noqa: BLE001  the group is going: the line names no collective
         return None
     entries = [e for e in (dump or {}).get("entries", []) if str(e.get("process_group", ("",))[0]) == name]
-    return lines.describe_entry(entries[-1]) if entries else None
+    return entries[-1] if entries else None
 
 
 def _watch():
@@ -709,15 +709,23 @@ def view(error=None):
     me["running"] = [lines.describe_entry(entry, waited) for waited, entry in running[:3]]
     inner = _innermost(error.__traceback__) if error is not None else _main_frame()
     try:
-        if running:
-            me["running"][0]["origin"] = parallel.origin(running[0][1], inner)
-        else:
+        # A point-to-point op: gloo's flight recorder has none, NCCL's names only the ranks (the note says more).
+        p2p = None
+        if not running or running[0][1].get("is_p2p"):
             p2p = parallel.describe_blocked(inner, failed=error is not None)
-            me["running"] = [p2p[1]] if p2p else []
+        if p2p:
+            me["running"] = [p2p[1]]
+        elif running:
+            me["running"][0]["origin"] = parallel.origin(running[0][1], inner)
     except Exception:  # noqa: BLE001  a model or schedule unlike torch 2.13's: the line says less
         pass
-    if error is not None and not me["running"]:
-        me["last"] = last_collective(dump)
+    last = last_collective(dump) if error is not None and not me["running"] else None
+    if last is not None:
+        me["last"] = lines.describe_entry(last)
+        try:
+            me["last"]["origin"] = parallel.origin(last, inner)
+        except Exception:  # noqa: BLE001  a model unlike torch 2.13's: the line says less
+            pass
     frames = None
     if error is not None:
         frames = traceback.extract_tb(error.__traceback__)

@@ -88,8 +88,10 @@ def group_store(rank, world_size, timeout):
         return None
     host = os.environ["MASTER_ADDR"]
     torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:  # a fresh store, its port posted in torchrun's
-        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    if rank == 0:  # a fresh store, listening at the rendezvous address alone; its port posted in torchrun's
+        listener = socket.create_server((host, 0), family=socket.getaddrinfo(host, 0)[0][0])
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.detach())
         torchrun_store.set("group_store_port", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()

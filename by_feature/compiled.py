@@ -204,8 +204,10 @@ def group_store(rank, world_size, timeout):
         return None
     host = os.environ["MASTER_ADDR"]
     torchrun_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if rank == 0:  # a fresh store, its port posted in torchrun's
-        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    if rank == 0:  # a fresh store, listening at the rendezvous address alone; its port posted in torchrun's
+        listener = socket.create_server((host, 0), family=socket.getaddrinfo(host, 0)[0][0])
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.detach())
         torchrun_store.set("group_store_port", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()
@@ -225,7 +227,8 @@ def check_compiler(device, mode):
     from torch.utils._triton import has_triton
 
     try:
-        cpp_builder.get_cpp_compiler() if device.type == "cpu" else None
+        if device.type == "cpu":
+            cpp_builder.get_cpp_compiler()
     except exc.InvalidCxxCompiler as error:
         sys.exit(f"error: --compile {mode}: {error}; install g++ (apt install g++), set CXX to a C++ compiler, "
                  "or pass --compile none")

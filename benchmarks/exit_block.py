@@ -9,7 +9,7 @@ model of several gradient buckets, so gloo's threads all-reduce while the backwa
 train, the harness SIGKILLs one (rank 1 in even runs, rank 0, the store's host, in odd ones) after a random
 0 to 0.5 s, while --load processes spin on the cores. The survivor's collective fails (`Connection reset by
 peer`); the form under test decides how it leaves. A run is clean if
-the survivor exits 1 within --run_timeout seconds and prints none of `terminate called`, `SIGABRT`,
+the survivor exits 1 within --run_timeout seconds of the kill and prints none of `terminate called`, `SIGABRT`,
 `Segmentation fault`; aborted if it dies by a signal or prints one of them; hung if it is still running.
 Forms (the survivor's way out; `import torch.distributed.nn` at the top unless named):
 - bare: `main()` alone: Python prints the traceback and exits as usual;
@@ -17,6 +17,8 @@ Forms (the survivor's way out; `import torch.distributed.nn` at the top unless n
 - short: the same, its shortest text (below);
 - destroy: `dist.destroy_process_group()` in a `finally:`, then Python's own exit;
 - noimport: block, without `import torch.distributed.nn`.
+- stop_bare, stop_short: no kill: at step 3 rank 0 starts a 16 MiB all-reduce and raises at once, while rank 1
+  computes 3 s before its part (a check said no while gloo's threads wait for a live peer); the forms as above;
 - finish, finish_noimport: no kill; both ranks train 3 steps and finish (`del model`,
   `destroy_process_group()`, exit 0): whether the import still matters for a run that ends well.
 """
@@ -38,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import report  # noqa: E402
 from benchmarks.launches import ABORT_MARKERS, clean_env  # noqa: E402
 
-FORMS = ("bare", "block", "short", "destroy", "noimport", "finish", "finish_noimport")
+FORMS = ("bare", "block", "short", "destroy", "noimport", "finish", "finish_noimport", "stop_bare", "stop_short")
 
 WORKER_HEAD = '''
 import os, sys, time
@@ -49,7 +51,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def main(steps):
+def main(steps, stop=False):
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     torch.manual_seed(0)
     layers = [torch.nn.Linear(512, 512) for _ in range(12)]  # 12 MiB of gradients: several buckets
@@ -63,6 +65,12 @@ def main(steps):
         model(x).square().mean().backward()
         optimizer.step()
         step += 1
+        if stop and step == 3:  # rank 0 stops while its all-reduce waits in gloo's threads for a live peer
+            if dist.get_rank() == 0:
+                dist.all_reduce(torch.ones(1 << 22), async_op=True)
+                raise RuntimeError("a check said no while a collective was in flight")
+            time.sleep(3)  # the peer computes; its part of that all-reduce comes later
+            dist.all_reduce(torch.ones(1 << 22))
     print("finished", flush=True)
     del model, optimizer
     dist.destroy_process_group()
@@ -108,12 +116,14 @@ TAILS = {
     "noimport": BLOCK,
     "finish": BLOCK,
     "finish_noimport": BLOCK,
+    "stop_bare": '\nif __name__ == "__main__":\n    main(STEPS)\n',
+    "stop_short": SHORT,
 }
 
 
 def worker_text(form):
     import_nn = "" if form.endswith("noimport") else "import torch.distributed.nn  # noqa: F401"
-    steps = "3" if form.startswith("finish") else "None"
+    steps = "3" if form.startswith("finish") else "None, stop=True" if form.startswith("stop") else "None"
     return WORKER_HEAD.format(import_nn=import_nn) + TAILS[form].replace("STEPS", steps)
 
 
@@ -136,7 +146,8 @@ def wait(pid, deadline):
 
 def one_run(code, form, victim, timeout, folder):
     """{"end": "clean" | "aborted" | "hung" | "failed", ...} of the rank that stays (both ranks for finish)."""
-    port, finishing = free_port(), form.startswith("finish")
+    port, finishing, stopping = free_port(), form.startswith("finish"), form.startswith("stop")
+    victim = 1 if stopping else victim  # rank 0 stops by itself; rank 1 is killed once it has
     logs = [os.path.join(folder, f"rank{rank}.log") for rank in (0, 1)]
     pids = []
     sys.stdout.flush()
@@ -152,14 +163,15 @@ def one_run(code, form, victim, timeout, folder):
             sys.exit(0)  # main() returned: Python's own exit, as the script's would be
         pids.append(pid)
     started = time.monotonic()
-    deadline = started + timeout
+    deadline = started + 3 * timeout  # to start, train and leave: a loaded machine starts slowly
     killed = None
-    if not finishing:
+    if not finishing and not stopping:
         while time.monotonic() < deadline:
             if all(os.path.exists(log) and "training" in Path(log).read_text() for log in logs):
                 time.sleep(random.uniform(0, 0.5))  # mid-step: forward, backward or a bucket's all-reduce
                 os.kill(pids[victim], signal.SIGKILL)
                 killed = time.monotonic()
+                deadline = killed + timeout  # from the kill: a hang is the survivor's, not the start's
                 break
             time.sleep(0.02)
     watched = [i for i in (0, 1) if finishing or i != victim]
@@ -171,7 +183,9 @@ def one_run(code, form, victim, timeout, folder):
             os.waitpid(pid, 0)
     output = "".join(Path(logs[i]).read_text() for i in watched if os.path.exists(logs[i]))
     markers = [m for m in ABORT_MARKERS if m in output]
-    if None in codes:
+    if not finishing and not stopping and killed is None:
+        end = "failed"  # never trained: nothing to kill
+    elif None in codes:
         end = "hung"
     elif markers or any(c < 0 for c in codes):
         end = "aborted"

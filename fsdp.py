@@ -245,7 +245,7 @@ def parse_args(argv=None):
     if any(value is not None and value <= 0 for value in (args.save_every_steps, args.global_batch_size)):
         parser.error("--save_every_steps and --global_batch_size must be positive")
     if "RANK" not in os.environ:
-        parser.error("start it with torchrun: torchrun --standalone --nproc_per_node=2 fsdp.py")
+        parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     return args
 
 

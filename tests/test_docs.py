@@ -305,3 +305,16 @@ def test_the_diff_sizes_the_docs_print_are_the_scripts_own():
     for name, lines in features:
         found = diff_lines("torchrun_ddp.py", f"by_feature/{name}")
         assert found == int(lines), f"docs/features.md: diff -u torchrun_ddp.py by_feature/{name} is {found} lines"
+
+
+def test_the_tutorial_walks_through_every_hunk_of_each_diff():
+    """docs/tutorial.md: under each `### \\`A\\` -> \\`B\\`` heading, one numbered item a hunk of `diff -u A B`."""
+    tutorial = (REPO / "docs" / "tutorial.md").read_text()
+    sections = re.findall(r"^### `([\w./]+)` -> `([\w./]+)`.*?\n(.*?)(?=^#{2,3} |\Z)", tutorial, re.M | re.S)
+    assert [(a, b) for a, b, _ in sections] == [
+        ("singlegpu.py", "multigpu.py"), ("multigpu.py", "multigpu_torchrun.py"),
+        ("multigpu_torchrun.py", "multinode.py"), ("multigpu_torchrun.py", "fsdp.py")]
+    for a, b, text in sections:
+        hunks = run(["diff", "-u", a, b], cwd=REPO, check=False, timeout=30).stdout.count("\n@@ ")
+        items = [int(n) for n in re.findall(r"^(\d+)\. \*\*", text, re.M)]
+        assert items == list(range(1, hunks + 1)), f"docs/tutorial.md: {a} -> {b} has {hunks} hunks, items {items}"

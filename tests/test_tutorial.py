@@ -187,7 +187,7 @@ def test_snapshot_of_another_model_is_reported_and_kept(tmp_path):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("script", ["multigpu_torchrun.py", "multinode.py"])
+@pytest.mark.parametrize("script", ["multigpu_torchrun.py", "multinode.py", "fsdp.py"])
 def test_torchrun_script_under_plain_python_says_how_to_launch(tmp_path, script):
     result = run(python_cmd(script), cwd=tmp_path, check=False, timeout=30)
     assert_one_line_error(result, f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {REPO / script}")

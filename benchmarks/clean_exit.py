@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
-from benchmarks import common, report  # noqa: E402
-from benchmarks.common import UsageError  # noqa: E402
-from benchmarks.launches import LAUNCHES, aborted, launch_argv, launch_env, launch_once  # noqa: E402
+from benchmarks import common, report
+from benchmarks.common import UsageError
+from benchmarks.launches import LAUNCHES, aborted, launch_argv, launch_env, launch_once
 
 # singlegpu.py starts neither processes nor a process group: nothing for it to tear down.
 JOBS = [name for name in LAUNCHES if name != "singlegpu.py"]

@@ -257,7 +257,7 @@ if __name__ == "__main__":
     except (Exception, SystemExit) as error:
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
-        # The group lives on: Python's own exit could abort in gloo's threads. Say why as Python would; leave now.
+        # The group lives on: Python's exit can stall or abort in gloo's threads. Say why as Python would; leave now.
         print(error.code, file=sys.stderr) if isinstance(error, SystemExit) else sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         os._exit(1)

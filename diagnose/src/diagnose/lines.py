@@ -302,11 +302,14 @@ def _elsewhere(rank, view, awaited=None):
     return text
 
 
-def _flight_recorder(answers, silent, world_size, folder):
+def _flight_recorder(answers, silent, world_size, folder, p2p=False):
     """The hint at torchfrtrace when every rank writes its dump; else which ranks write none, and why."""
     dumped = sorted(r for r, v in answers.items() if v.get("recorder"))
     if len(dumped) == world_size:
         return f"flight recorder: `torchfrtrace {folder}`"
+    if not dumped and p2p:
+        return ("no flight recorder dumps: the ranks ran no collective (gloo's recorder holds no send or recv), or the "
+                "recorder is off (TORCH_FR_BUFFER_SIZE=0)")
     if not dumped:
         return "no flight recorder dumps: the recorder is off (TORCH_FR_BUFFER_SIZE=0) or recorded nothing"
     missing = sorted(set(range(world_size)) - set(dumped))
@@ -375,7 +378,8 @@ def compose(question, answers, who, world_size):
             parts.append("every rank is in it and it did not complete: the link between the ranks failed or is too "
                          "slow, or a collective of another group holds it")
     dumps = os.path.dirname(os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "")) or question["folder"]
-    return f"diagnose: {head}: " + "; ".join(parts) + "; " + _flight_recorder(answers, silent, world_size, dumps)
+    return f"diagnose: {head}: " + "; ".join(parts) + "; " + _flight_recorder(answers, silent, world_size, dumps,
+                                                                              head_entry.get("p2p"))
 
 
 def store_lost(me, reason):

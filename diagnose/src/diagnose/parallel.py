@@ -8,12 +8,15 @@ parallel style from that stack, and the module it was applied to from the module
 Point-to-point ops (dist.isend/irecv, and so send/recv, batch_isend_irecv's P2POp list, torch.distributed.pipelining)
 are not in gloo's flight recorder, though they advance the group's count. isend and irecv are wrapped: each op is
 noted (kind, peer, shape, when, a weak reference to its Work) in a ring of the last RING ops; blocked() finds the
-op whose Work the main thread waits on (a local of its innermost frames). The note costs about a microsecond an op
-and holds no tensor. stages() reads the pipeline's stages from the schedule the main thread runs, so that a peer
-is named by its stage.
+op whose Work the main thread waits on (a local of its innermost frames). The note costs about half a microsecond
+an op and holds no tensor. stages() reads the pipeline's stages from the schedule the main thread runs, so that a
+peer is named by its stage.
 
-Only note() runs while the job is healthy; the rest runs when a rank is asked, or when the watchdog has seen the
-counts stand still.
+Only the note runs while the job is healthy; the rest runs when a rank is asked, or when the watchdog has seen the
+counts stand still with an op noted. What it reads there is private to torch and may change: the frames' locals,
+nn.Module's _call_impl frames and _forward_hooks (the style's function in a hook's closure), a schedule's
+_stage/_stages and a stage's stage_index_to_group_rank and _resolve_peer_global_rank. Where one is missing the line
+says less (no module, a peer by its rank), and the job is not touched.
 """
 import collections
 import functools

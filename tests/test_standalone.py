@@ -29,7 +29,8 @@ LESSON_PACKAGES = {
 # fsdp.py's checkpoint protocol serves the steps after it too (tensor, pipeline and N-D parallelism).
 SIBLINGS = {name: {"models_and_data", "fsdp_checkpoint"}
             for name in ("fsdp.py", "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py")}
-REPOSITORY_PACKAGES = ("diagnose", "benchmarks", "models_and_data", "fsdp_checkpoint")
+# diagnose is an installed tool (pip install ./diagnose; requirements-dev.txt), importable anywhere by design.
+REPOSITORY_PACKAGES = ("benchmarks", "models_and_data", "fsdp_checkpoint")
 
 
 def examples():

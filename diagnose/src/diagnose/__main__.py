@@ -71,6 +71,9 @@ def main(argv=None):
         print(f"diagnose: an elastic job (--nnodes={nnodes}): TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set for it, or a "
               f"node that joins later would deadlock torchrun's shared store; start every node under {PROG}, or set "
               "it there", file=sys.stderr)
+    # A launcher that restarts the group (torchrun --max_restarts N, an elastic --nnodes range) recovers from what a
+    # rank declared: the tool says its line and leaves the job to the launcher, as --keep-waiting does.
+    keep_waiting = args.keep_waiting or bool(nnodes) or max_restarts(args.command) > 0
     job = subprocess.Popen(args.command, env=env)
 
     def forward(signum, frame):
@@ -80,7 +83,7 @@ def main(argv=None):
         signal.signal(sig, forward)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the job through the terminal; wait for it
     try:
-        code = watch(job, args.keep_waiting)
+        code = watch(job, keep_waiting)
         verdict = node.read(names.VERDICT, "job")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -89,6 +92,20 @@ def main(argv=None):
         sys.stdout.flush()
         print(f"{PROG}: verdict: {verdict.split(': ', 1)[-1].rstrip()}", file=sys.stderr)
     return code if code >= 0 else 128 - code
+
+
+def max_restarts(command):
+    """torchrun's --max_restarts (or --max-restarts) in a launch command; 0 where it has none."""
+    for i, token in enumerate(command):
+        for flag in ("--max_restarts", "--max-restarts"):
+            value = token[len(flag) + 1:] if token.startswith(flag + "=") else (
+                command[i + 1] if token == flag and i + 1 < len(command) else None)
+            if value is not None:
+                try:
+                    return int(value)
+                except ValueError:  # torchrun itself says what is wrong with it
+                    return 0
+    return 0
 
 
 def watch(job, keep_waiting):

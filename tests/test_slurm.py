@@ -34,8 +34,8 @@ ON_CPUS = ("--gpus-per-node=0", f"--time={JOB_MINUTES}")
 MULTINODE = {"NPROC_PER_NODE": "1", "EPOCHS": "12", "SAVE_EVERY": "1", "BATCH_SIZE": "32"}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", name="cluster")
+def slurm_cluster(tmp_path_factory):
     with SlurmCluster(tmp_path_factory.mktemp("slurm")) as running:
         yield running
     assert not running.processes(), "processes of the cluster's jobs outlived it"

@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,9 +29,11 @@ RESUMED = re.compile(r"^Resuming from \S+ at epoch (\d+), sample (\d+) of \d+ "
                      r"\(step (\d+), saved at world size (\d+)\)", re.M)
 
 
-def probe_env(directory):
+def probe_env(directory, stop_at=None):
+    """The probe's environment; stop_at="R:C:N,...": rank R of restart round C stops itself after its N-th step."""
     directory.mkdir(exist_ok=True)
-    return clean_env(DDP_EXAMPLES_PROBE_SAMPLES=directory)
+    stop = {"DDP_EXAMPLES_PROBE_STOP_AT": stop_at} if stop_at else {}
+    return clean_env(DDP_EXAMPLES_PROBE_SAMPLES=directory, **stop)
 
 
 def events(directory, rank, restart=0):
@@ -55,13 +58,20 @@ def epoch_batches(directory, rank, restart=0):
     return passes
 
 
-def wait_for_steps(directory, rank, restart, count, job):
-    def done():
+def stopped_worker(job, local_rank, restart=0):
+    """The pid of torchrun's worker once the probe has stopped it (DDP_EXAMPLES_PROBE_STOP_AT), to be killed at
+    exactly that step."""
+    def stopped():
+        pid = torchrun_worker(job.pid, local_rank, restart)
         try:
-            return steps_taken(directory, rank, restart) >= count
-        except ValueError:  # no file yet
-            return False
-    wait_for(lambda: done() or job.poll() is not None, 120, f"rank {rank} to take {count} steps")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if pid else None
+        except OSError:  # it ended meanwhile
+            return None
+        return pid if state == "T" else None
+    wait_for(lambda: stopped() or job.poll() is not None, 120, f"rank {local_rank} to stop at its step")
+    pid = stopped()
+    assert pid, f"the job ended before rank {local_rank} stopped: {finish(job, 30)}"
+    return pid
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +88,10 @@ def test_sigkills_at_arbitrary_steps_lose_at_most_n_steps_and_end_bitwise_equal(
     resumes from the last step snapshot, mid-epoch, and the run ends where the uninterrupted one did, to the bit."""
     probes = tmp_path / "probe"
     job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "16", extra=("--max_restarts=2",)),
-                cwd=tmp_path, env=probe_env(probes))
-    wait_for_steps(probes, 1, 0, 33, job)
-    os.kill(torchrun_worker(job.pid, local_rank=1), signal.SIGKILL)
+                cwd=tmp_path, env=probe_env(probes, stop_at="1:0:33,0:1:150"))  # 150: into epoch 1, step 170
+    os.kill(stopped_worker(job, 1), signal.SIGKILL)
     killed_at = [steps_taken(probes, 0, 0)]
-    wait_for(lambda: torchrun_worker(job.pid, 0, restart=1) or job.poll() is not None, 120, "the restarted group")
-    wait_for_steps(probes, 0, 1, 150, job)  # into epoch 1: global step 170
-    worker = torchrun_worker(job.pid, local_rank=0, restart=1)
-    os.kill(worker, signal.SIGKILL)
+    os.kill(stopped_worker(job, 0, restart=1), signal.SIGKILL)
     out = finish(job, HANG_GUARD_S)
     assert job.returncode == 0, out
 
@@ -125,8 +131,8 @@ def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_on
     order of float additions (measured: differences below 1e-6; allowed 1e-5)."""
     first, second = tmp_path / "first", tmp_path / "second"
     job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=before),
-                cwd=tmp_path, env=probe_env(first))
-    wait_for_steps(first, 0, 0, 128 + 50, job)
+                cwd=tmp_path, env=probe_env(first, stop_at=f"0:0:{128 + 50}"))
+    stopped_worker(job, 0)
     for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(before)]:
         os.kill(pid, signal.SIGKILL)
     finish(job, 60)
@@ -151,8 +157,8 @@ def test_another_global_batch_goes_on_through_the_same_order(tmp_path):
     not the uninterrupted one's, and the script says so)."""
     first, second = tmp_path / "first", tmp_path / "second"
     job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "16"), cwd=tmp_path,
-                env=probe_env(first))
-    wait_for_steps(first, 0, 0, 50, job)
+                env=probe_env(first, stop_at="0:0:50"))
+    stopped_worker(job, 0)
     for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(2)]:
         os.kill(pid, signal.SIGKILL)
     finish(job, 60)

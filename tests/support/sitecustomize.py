@@ -24,6 +24,10 @@ On request, through the environment:
   that a test can count which samples each step trained on, and how many steps a killed process finished.
   With DDP_EXAMPLES_PROBE_STEP_DELAY=S, each optimizer step also sleeps S seconds: the pace of a larger model, so
   that a test can act between two steps of a script that would otherwise finish in a blink.
+  With DDP_EXAMPLES_PROBE_STOP_AT=R:C:N[,R:C:N...], the process of rank R in restart round C stops itself
+  (SIGSTOP) right after its N-th step, so that a test can kill it at exactly that step: waiting for the step
+  count from outside races a small model, which can finish the run between two looks (seen: one rank finished
+  78 steps before the test's SIGKILL landed).
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -32,6 +36,7 @@ On request, through the environment:
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
 import time
 
@@ -147,11 +152,17 @@ def patch_dataloader(module):
 def patch_steps(module):
     steps = [0]
 
+    here = (os.environ.get("RANK", "0"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    stops = {int(n) for r, c, n in (stop.split(":") for stop in os.environ.get("DDP_EXAMPLES_PROBE_STOP_AT", "")
+                                    .split(",") if stop) if (r, c) == here}
+
     def count(optimizer, args, kwargs):
         if type(optimizer).__name__ != "ZeroRedundancyOptimizer":  # its local optimizer's step counts
             steps[0] += 1
             event({"step": steps[0]})
             time.sleep(float(os.environ.get("DDP_EXAMPLES_PROBE_STEP_DELAY", "0")))
+            if steps[0] in stops:
+                os.kill(os.getpid(), signal.SIGSTOP)
 
     module.register_optimizer_step_post_hook(count)
 

@@ -269,8 +269,9 @@ def main(args):
     dist.all_gather_object(everyone, holds)
     m = args.microbatches
     if rank == 0:
-        print(f"Mesh {layout} | {args.global_batch_size // args.dp} samples a data-parallel rank in {m} micro-batches "
-              f"| global batch {args.global_batch_size} | schedule {SCHEDULES[args.schedule].__name__[8:]}")
+        print(f"Mesh {layout} | {args.global_batch_size // args.dp} samples a data-parallel rank in {m} "
+              f"micro-batch{'es' * (m > 1)} | global batch {args.global_batch_size} | "
+              f"schedule {SCHEDULES[args.schedule].__name__[8:]}")
         print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
     # Each step's global batch is cut into dp pieces: the ranks of one data-parallel coordinate (all their stages
     # and tp pieces) take the same piece.

@@ -27,7 +27,9 @@ On request, through the environment:
   With DDP_EXAMPLES_PROBE_STOP_AT=R:C:N[,R:C:N...], the process of rank R in restart round C stops itself
   (SIGSTOP) right after its N-th step, so that a test can kill it at exactly that step: waiting for the step
   count from outside races a small model, which can finish the run between two looks (seen: one rank finished
-  78 steps before the test's SIGKILL landed).
+  78 steps before the test's SIGKILL landed). Each stop happens once in the job: the first process to reach
+  it leaves DIR/stopped-R-C-N, and a later process with the same rank and round (an elastic join, a requeued
+  job) goes on.
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -149,6 +151,17 @@ def patch_dataloader(module):
     module.DataLoader.__iter__ = logged_iter
 
 
+def first_to_stop(step):
+    """Whether this process is the job's first to reach this stop (DDP_EXAMPLES_PROBE_STOP_AT)."""
+    rank, restart = os.environ.get("RANK", "0"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        os.close(os.open(os.path.join(os.environ["DDP_EXAMPLES_PROBE_SAMPLES"], f"stopped-{rank}-{restart}-{step}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def patch_steps(module):
     steps = [0]
 
@@ -161,7 +174,7 @@ def patch_steps(module):
             steps[0] += 1
             event({"step": steps[0]})
             time.sleep(float(os.environ.get("DDP_EXAMPLES_PROBE_STEP_DELAY", "0")))
-            if steps[0] in stops:
+            if steps[0] in stops and first_to_stop(steps[0]):
                 os.kill(os.getpid(), signal.SIGSTOP)
 
     module.register_optimizer_step_post_hook(count)

@@ -70,6 +70,22 @@ def torchrun_worker(agent_pid, local_rank, restart=0):
     return None
 
 
+def stopped_worker(job, local_rank, restart=0):
+    """The pid of torchrun's worker once the probe has stopped it (DDP_EXAMPLES_PROBE_STOP_AT in
+    tests/support/sitecustomize.py), to be killed at exactly that step: no wait from outside can race the job."""
+    def stopped():
+        pid = torchrun_worker(job.pid, local_rank, restart)
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if pid else None
+        except OSError:  # it ended meanwhile
+            return None
+        return pid if state == "T" else None
+    wait_for(lambda: stopped() or job.poll() is not None, 120, f"rank {local_rank} to stop at its step")
+    pid = stopped()
+    assert pid, f"the job ended before rank {local_rank} stopped: {finish(job, 30)}"
+    return pid
+
+
 def descendants(pid):
     found = children(pid)
     return found + [grandchild for child in found for grandchild in descendants(child)]
@@ -103,24 +119,20 @@ def uninterrupted(tmp_path_factory):
 def test_torchrun_restarts_killed_workers_and_ends_bitwise_equal(tmp_path, uninterrupted, store):
     """Two SIGKILLs at different points (rank 1 after the first snapshot, then rank 0 of the restarted group
     after its next one) with --max_restarts=2: a restart burned on the old group's addresses would fail the job."""
+    # 64 steps an epoch, a snapshot every 2: rank 1 stopped (by the probe) and killed 10 steps after the epoch-2
+    # snapshot, rank 0 of the restarted group 10 steps after its epoch-6 one (256 steps after its resume).
+    env = {**STORES[store], "DDP_EXAMPLES_PROBE_SAMPLES": str(tmp_path / "probe"),
+           "DDP_EXAMPLES_PROBE_STOP_AT": "1:0:138,0:1:266"}
+    (tmp_path / "probe").mkdir()
     job = start(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", EPOCHS, *FLAGS, extra=("--max_restarts=2",)),
-                cwd=tmp_path, env=STORES[store])
-    snapshot = tmp_path / "multigpu_torchrun.pt"
-    wait_for(lambda: snapshot.exists() or job.poll() is not None, 120, "the first snapshot")
-    victim = torchrun_worker(job.pid, local_rank=1)
-    assert victim, "rank 1 should still be training"
-    os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: torchrun_worker(job.pid, local_rank=0, restart=1) or job.poll() is not None, 120,
-             "the restarted group")
-    first_epochs = load_snapshot(snapshot)["epochs_run"]
-    wait_for(lambda: load_snapshot(snapshot)["epochs_run"] > first_epochs + 2 or job.poll() is not None, 120,
-             "a snapshot of the restarted group")
-    victim = torchrun_worker(job.pid, local_rank=0, restart=1)
-    assert victim, "rank 0 of the restarted group should still be training"
-    os.kill(victim, signal.SIGKILL)
+                cwd=tmp_path, env=env)
+    os.kill(stopped_worker(job, 1), signal.SIGKILL)
+    os.kill(stopped_worker(job, 0, restart=1), signal.SIGKILL)
     out = finish(job, HANG_GUARD_S)
     assert job.returncode == 0, out
-    assert out.count("Resuming from multigpu_torchrun.pt at epoch") == 2, out
+    resumed = re.findall(r"^Resuming from multigpu_torchrun.pt at epoch (\d+)", out, re.M)
+    assert resumed == ["2", "6"], out
+    snapshot = tmp_path / "multigpu_torchrun.pt"
     assert "connectFullMesh failed" not in out, "no restart may fail on a previous group's addresses"
     assert_same_training_state(uninterrupted, snapshot)
 
@@ -200,15 +212,16 @@ def multinode_agent(cwd, node, port, *args, extra=(), env=None):
 def test_multinode_restart_ends_bitwise_equal(tmp_path, uninterrupted, store):
     """Two nodes of one process each train exactly what multigpu_torchrun.py trains with two processes."""
     port = free_port()
+    # Node 1's worker (rank 1) stopped by the probe 10 steps after the epoch-2 snapshot, and killed.
+    env = {**STORES[store], "DDP_EXAMPLES_PROBE_SAMPLES": str(tmp_path / "probe"),
+           "DDP_EXAMPLES_PROBE_STOP_AT": "1:0:138"}
+    (tmp_path / "probe").mkdir()
     agents = [multinode_agent(tmp_path, node, port, "--total_epochs", EPOCHS, *FLAGS, extra=("--max_restarts=3",),
-                              env=STORES[store]) for node in (0, 1)]
-    wait_for(lambda: (tmp_path / "node1.pt").exists() or agents[1].poll() is not None, 120, "node 1's snapshot")
-    victim = torchrun_worker(agents[1].pid, local_rank=0)
-    assert victim, "node 1's worker should still be training"
-    os.kill(victim, signal.SIGKILL)
+                              env=env) for node in (0, 1)]
+    os.kill(stopped_worker(agents[1], 0), signal.SIGKILL)
     outputs = [finish(agent, HANG_GUARD_S) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
-    assert "Resuming from node0.pt at epoch" in outputs[0], outputs[0]
+    assert "Resuming from node0.pt at epoch 2\n" in outputs[0], outputs[0]
     for node in (0, 1):
         assert_same_training_state(uninterrupted, tmp_path / f"node{node}.pt")
 
@@ -348,19 +361,20 @@ def test_mpirun_stops_every_rank_when_one_is_killed(tmp_path):
 
 @pytest.mark.slow
 def test_train_py_restarted_by_torchrun_resumes_mid_epoch_from_its_newest_checkpoint_bitwise(tmp_path, mnist_dir):
-    """The Trainer's own checkpoints every 3 steps (--save_strategy steps), so the kill lands mid-epoch: the
-    restarted group goes on from the newest complete checkpoint (the kill may land while rank 1 saves), skipping
-    the batches of the epoch it had done, and ends with the weights of a run that was never killed, to the bit."""
+    """The Trainer's own checkpoints every 3 steps (--save_strategy steps), rank 1 killed after step 7, mid-epoch 1:
+    the restarted group goes on from the newest complete checkpoint (6), skipping the batches of the epoch it had
+    done, and ends with the weights of a run that was never killed, to the bit. (A kill while rank 1 saves:
+    test_a_worker_killed_while_saving_leaves_the_previous_snapshot and tests/test_step_checkpoints.py.)"""
     flags = ("--data_dir", mnist_dir, "--max_train_samples", "512", "--max_eval_samples", "64", "--num_train_epochs",
              "3", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no", "--disable_tqdm", "True")
     run(torchrun_cmd("train.py", *flags, "--output_dir", tmp_path / "straight"), cwd=tmp_path, timeout=HANG_GUARD_S)
     out_dir = tmp_path / "out"
-    job = start(torchrun_cmd("train.py", *flags, "--output_dir", out_dir, extra=("--max_restarts=2",)), cwd=tmp_path)
-    wait_for(lambda: (out_dir / "checkpoint-6" / "trainer_state.json").exists() or job.poll() is not None, 300,
-             "a checkpoint in the middle of epoch 1")
-    victim = torchrun_worker(job.pid, local_rank=1)
-    assert victim, "rank 1 should still be training"
-    os.kill(victim, signal.SIGKILL)
+    # Rank 1 stopped by the probe after step 7 (rank 0 marked checkpoint-6 complete before step 7's all-reduce).
+    (tmp_path / "probe").mkdir()
+    env = clean_env(DDP_EXAMPLES_PROBE_SAMPLES=tmp_path / "probe", DDP_EXAMPLES_PROBE_STOP_AT="1:0:7")
+    job = start(torchrun_cmd("train.py", *flags, "--output_dir", out_dir, extra=("--max_restarts=2",)), cwd=tmp_path,
+                env=env)
+    os.kill(stopped_worker(job, 1), signal.SIGKILL)
     # torchrun stops the old group before it starts the new one: the checkpoints there are then all there are.
     wait_for(lambda: torchrun_worker(job.pid, local_rank=0, restart=1) or job.poll() is not None, 120,
              "the restarted group")
@@ -368,7 +382,7 @@ def test_train_py_restarted_by_torchrun_resumes_mid_epoch_from_its_newest_checkp
     out = finish(job, HANG_GUARD_S)
     assert job.returncode == 0, out
     resumed = re.search(r"resuming from \S*/checkpoint-(\d+)", out)
-    assert resumed and int(resumed[1]) == max(complete), (complete, out[-2000:])
+    assert max(complete) == 6 and resumed and int(resumed[1]) == 6, (complete, out[-2000:])
     # 512 images, 2 ranks of 64: 4 steps an epoch. The restarted group ran what was left after that checkpoint.
     assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 12
     assert summary(out).steps == 12 - max(complete), out[-2000:]

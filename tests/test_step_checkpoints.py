@@ -7,11 +7,9 @@ fetched and every optimizer step it took.
 import json
 import os
 import re
-import shutil
 import signal
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import torch
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish,
                       free_port, listening, load_snapshot, python_cmd, run, start, summary, torchrun_cmd)
 from test_elastic import ELASTIC, RDZV_CONF, release_when_stopped_by_torchrun
-from test_reliability import HANG_GUARD_S, children, torchrun_worker, wait_for
+from test_reliability import HANG_GUARD_S, children, stopped_worker, torchrun_worker, wait_for
 
 SCRIPT = "by_feature/step_checkpoints.py"
 N = 4096  # the example's dataset
@@ -56,22 +54,6 @@ def epoch_batches(directory, rank, restart=0):
         elif "batch" in event:
             passes[-1].append(event["batch"])
     return passes
-
-
-def stopped_worker(job, local_rank, restart=0):
-    """The pid of torchrun's worker once the probe has stopped it (DDP_EXAMPLES_PROBE_STOP_AT), to be killed at
-    exactly that step."""
-    def stopped():
-        pid = torchrun_worker(job.pid, local_rank, restart)
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if pid else None
-        except OSError:  # it ended meanwhile
-            return None
-        return pid if state == "T" else None
-    wait_for(lambda: stopped() or job.poll() is not None, 120, f"rank {local_rank} to stop at its step")
-    pid = stopped()
-    assert pid, f"the job ended before rank {local_rank} stopped: {finish(job, 30)}"
-    return pid
 
 
 @pytest.fixture(scope="module")
@@ -292,13 +274,15 @@ def test_the_trainer_resumes_mid_epoch_at_another_world_size_with_every_sample_o
     flags = ("--data_dir", mnist_dir, "--output_dir", tmp_path / "out", "--max_train_samples", "1024",
              "--max_eval_samples", "64", "--num_train_epochs", "2", "--save_strategy", "steps", "--save_steps", "3",
              "--eval_strategy", "no", "--disable_tqdm", "True")
-    job = start(torchrun_cmd("train.py", *flags), cwd=tmp_path, env=probe_env(first))
-    wait_for(lambda: (tmp_path / "out" / "checkpoint-3" / "complete").exists() or job.poll() is not None,
-             300, "checkpoint-3")
+    # Rank 1 stops after step 4: rank 0 marked checkpoint-3 complete before step 4's all-reduce, and cannot finish
+    # step 5 without rank 1.
+    job = start(torchrun_cmd("train.py", *flags), cwd=tmp_path, env=probe_env(first, stop_at="1:0:4"))
+    stopped_worker(job, 1)
     for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(2)]:
         os.kill(pid, signal.SIGKILL)
     finish(job, 60)
-    shutil.rmtree(tmp_path / "out" / "checkpoint-6", ignore_errors=True)  # a step or two more, before the kill
+    assert (tmp_path / "out" / "checkpoint-3" / "complete").exists(), "checkpoint-3 marked complete"
+    assert not (tmp_path / "out" / "checkpoint-6").exists()
     out = run(torchrun_cmd("train.py", *flags, "--per_device_train_batch_size", "128", "--resume_from_checkpoint",
                            "last", nproc=1), cwd=tmp_path, env=probe_env(second), timeout=300).stdout
     assert "resuming from" in out and "checkpoint-3" in out, out[-2000:]

@@ -319,14 +319,35 @@ class Pod:
                             f":\n{self.output[-3000:]}")
             time.sleep(0.05)
 
-    def kill(self):
-        """The container dies at once (an OOM kill, a lost node): torchrun and every worker it started."""
+    def processes(self):
+        """The pids of the container's processes: torchrun and every worker it started."""
+        found = []
         for entry in Path("/proc").iterdir():
             try:
                 if entry.name.isdigit() and f"{POD_VARIABLE}={self.marker}".encode() in \
                         (entry / "environ").read_bytes().split(b"\0"):
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
+                    found.append(int(entry.name))
+            except OSError:  # it ended meanwhile
+                pass
+        return found
+
+    def wait_until_stopped(self, timeout):
+        """Until one of the container's processes has stopped itself (DDP_EXAMPLES_PROBE_STOP_AT)."""
+        deadline = time.monotonic() + timeout
+        while not any(process_state(pid) == "T" for pid in self.processes()):
+            if not self.reader.is_alive() or time.monotonic() > deadline:
+                kill_launched()
+                pytest.fail(f"pod {self.name}: no process stopped at its step " +
+                            ("before it exited" if not self.reader.is_alive() else f"within {timeout}s") +
+                            f":\n{self.output[-3000:]}")
+            time.sleep(0.05)
+
+    def kill(self):
+        """The container dies at once (an OOM kill, a lost node): torchrun and every worker it started."""
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
 
     def finish(self, timeout):
@@ -341,6 +362,23 @@ class Pod:
 
 
 EPOCHS, SAVE_EVERY = 6, 2  # the manifests' 50 and 10, shortened
+STEPS_PER_EPOCH = 16  # 2048 samples, 4 ranks, the default batch of 32
+# The worker pod's first rank stops itself after this step (the probe's DDP_EXAMPLES_PROBE_STOP_AT), and the pod
+# dies there: mid-way through the epoch after the first snapshot, so the master's ranks, which cannot take a step
+# without it, end with exactly that snapshot saved. (Waiting from outside for the master's first "Snapshot saved"
+# raced the job, which trains an epoch in a fraction of a second and could save the next one first.)
+SAVED_AT_DEATH = SAVE_EVERY
+STOP_STEP = SAVED_AT_DEATH * STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2
+
+
+def process_state(pid):
+    """A process's state letter in /proc (R, S, T: stopped, Z ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 # What c10d prints each time the master's address does not resolve (torch 2.13); then it tries again.
 UNRESOLVED = r"network addresses of \({name}, \d+\) cannot be retrieved"
 
@@ -367,17 +405,27 @@ def test_pods_train_and_a_restart_resumes_from_the_snapshot_volume(path, tmp_pat
     runs = [(name, with_flags(expand(command, variables), total_epochs=EPOCHS, save_every=SAVE_EVERY,
                               snapshot_path=snapshot), variables) for name, command, variables in pods]
 
-    master, worker = [Pod(name, command, variables, hosts) for name, command, variables in runs]
+    nproc = int(runs[0][2]["PET_NPROC_PER_NODE"])
+    # Only the first pair of pods carries the probe: the worker pod's first rank stops itself after STOP_STEP.
+    # The restarted pods run as the manifests do.
+    probe = {"DDP_EXAMPLES_PROBE_SAMPLES": tmp_path / "probe",
+             "DDP_EXAMPLES_PROBE_STOP_AT": f"{int(runs[1][2]['PET_NODE_RANK']) * nproc}:0:{STOP_STEP}"}
+    (tmp_path / "probe").mkdir()
+    master, worker = [Pod(name, command, {**variables, **probe}, hosts) for name, command, variables in runs]
     if hosts is not None:
         worker.wait_for(UNRESOLVED.format(name=re.escape(trainjob_master(doc))), timeout=60)
         with hosts.open("a") as f:  # appended in place: the pods' bind mounts hold this inode
             f.write(f"127.0.0.1 {trainjob_master(doc)}\n")
-    master.wait_for(r"^Epoch \d+ \| Snapshot saved", timeout=180)
+    worker.wait_until_stopped(timeout=180)
     worker.kill()
     output = master.finish(timeout=60)
     assert master.process.returncode != 0, output[-2000:]
+    # Rank 0 finished the epochs before the stop, and no more: their lines, and the first snapshot's, are there.
+    assert [(line.epoch, line.steps) for line in epoch_lines(output)] == \
+        [(epoch, STEPS_PER_EPOCH) for epoch in range(SAVED_AT_DEATH)], output[-2000:]
+    assert f"Epoch {SAVED_AT_DEATH - 1} | Snapshot saved" in output, output[-2000:]
     saved = load_snapshot(snapshot)["epochs_run"]
-    assert SAVE_EVERY <= saved < EPOCHS, "the pods were meant to die half-way"
+    assert saved == SAVED_AT_DEATH, "the pods were meant to die in the epoch after the first snapshot"
 
     restarted = [Pod(name, command, variables, hosts) for name, command, variables in runs]
     outputs = [pod.finish(timeout=180) for pod in restarted]
@@ -386,6 +434,5 @@ def test_pods_train_and_a_restart_resumes_from_the_snapshot_volume(path, tmp_pat
     assert f"Resuming from {snapshot} at epoch {saved}" in outputs[0], outputs[0][-3000:]
     assert [line.epoch for line in epoch_lines(outputs[0])] == list(range(saved, EPOCHS))
     result = summary(outputs[0])
-    nproc = int(runs[0][2]["PET_NPROC_PER_NODE"])
     assert (result.world_size, result.backend) == (2 * nproc, "gloo")
     assert load_snapshot(snapshot)["epochs_run"] == EPOCHS

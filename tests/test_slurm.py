@@ -8,6 +8,7 @@ line) and the files' own environment knobs (EPOCHS, NPROC_PER_NODE, ...).
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,11 @@ ON_CPUS = ("--gpus-per-node=0", f"--time={JOB_MINUTES}")
 # more, gloo's summation order follows DDP's bucket layout, which a fresh process lays out anew (4 ranks
 # resumed after epoch 1 or 2 end equal only to float rounding).
 MULTINODE = {"NPROC_PER_NODE": "1", "EPOCHS": "12", "SAVE_EVERY": "1", "BATCH_SIZE": "32"}
+STEPS_PER_EPOCH = 32
+# Where both ranks of the job whose node dies stop themselves (the probe's DDP_EXAMPLES_PROBE_STOP_AT): mid-way
+# through epoch 1, after the first snapshot (epoch 0) and before the second. Waiting from outside for the first
+# snapshot raced the job, which trains an epoch in a fraction of a second and could finish before the node died.
+STOP_STEP = STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2
 
 
 @pytest.fixture(scope="module", name="cluster")
@@ -158,19 +164,27 @@ def test_a_dead_node_ends_the_job_within_the_timeout_and_the_requeued_job_resume
     timeout = 30
     submit_dir = checkout(tmp_path / "repo")
     snapshot = multinode_snapshot(submit_dir)
-    env = cluster.env(job_env(**MULTINODE, TIMEOUT=timeout))
+    probes = tmp_path / "probe"
+    probes.mkdir()
+    # Both ranks stop after STOP_STEP: which node's torchrun gets which rank follows the order of their pids.
+    # Each stop happens once in the job (a marker file in the probe's folder): the requeued job trains through.
+    env = cluster.env(job_env(**MULTINODE, TIMEOUT=timeout, DDP_EXAMPLES_PROBE_SAMPLES=probes,
+                              DDP_EXAMPLES_PROBE_STOP_AT=f"0:0:{STOP_STEP},1:0:{STOP_STEP}"))
     waiter = cluster.popen(["sbatch", "--wait", *ON_CPUS, "--cpus-per-task=1", "slurm/multinode.sbatch"],
                            cwd=submit_dir, env=env, stdout=PIPE, stderr=PIPE, text=True)
     try:
         cluster.wait_for(lambda: len(training_nodes(cluster)) == 2 or waiter.poll() is not None, 180,
                          "training on two nodes")
         first, second = training_nodes(cluster)
+        cluster.wait_for(lambda: all(stopped(training_processes(cluster, node)) for node in (first, second))
+                         or waiter.poll() is not None, 180, f"both ranks to stop after step {STOP_STEP}")
+        assert waiter.poll() is None, "the job ended before a node could die"
+        assert load_snapshot(snapshot)["epochs_run"] == 1
         survivors = training_processes(cluster, first)
-        # An epoch takes a fraction of a second: the node dies as soon as the first snapshot is there.
-        cluster.wait_for(lambda: snapshot.exists() or waiter.poll() is not None, 180, "the first snapshot")
         cluster.kill_node(second)
         died = time.monotonic()
-        assert waiter.poll() is None, "the job ended before a node could die"
+        for pid in survivors:  # the rank on the node still alive trains on, into its dead peer
+            os.kill(pid, signal.SIGCONT)
         (job_id,) = cluster.run(["squeue", "--noheader", "--format=%i"], cwd=submit_dir, env=env,
                                 timeout=30).stdout.split()
         cluster.wait_for(lambda: not any(map(alive, survivors)), timeout + 30, f"end of {first}'s workers")
@@ -181,7 +195,7 @@ def test_a_dead_node_ends_the_job_within_the_timeout_and_the_requeued_job_resume
         assert workers_gone < timeout and requeued < timeout
         assert not any(map(alive, survivors))
         epochs_at_death = load_snapshot(snapshot)["epochs_run"]
-        assert 1 <= epochs_at_death < 12
+        assert epochs_at_death == 1, "the surviving rank cannot end epoch 1 without its peer"
 
         # Slurm holds a requeued batch job back for two minutes; the spare node is ready now.
         cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], cwd=submit_dir, env=env, timeout=30)
@@ -195,7 +209,7 @@ def test_a_dead_node_ends_the_job_within_the_timeout_and_the_requeued_job_resume
     (spare,) = set(NODES) - {first, second}
     assert spare in launched_on(cluster, job_id), "the requeued job runs on the nodes still alive"
     resumed = re.findall(rf"^Resuming from {re.escape(str(snapshot))} at epoch (\d+)", output, re.M)
-    assert resumed and int(resumed[-1]) >= epochs_at_death, output[-4000:]
+    assert resumed and int(resumed[-1]) == epochs_at_death, output[-4000:]
     state, reference = load_snapshot(snapshot), uninterrupted[3]
     for key in ("epochs_run", "model", "optimizer"):
         assert_bitwise_equal(state[key], reference[key], key)
@@ -223,12 +237,22 @@ def cmdline(pid):
         return b""
 
 
+def process_state(pid):
+    """A process's state letter in /proc (R, S, T: stopped, Z: a zombie ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def alive(pid):
     """Running, not a zombie waiting for its parent to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z")
+
+
+def stopped(pids):
+    """Whether there are processes and each has stopped itself (DDP_EXAMPLES_PROBE_STOP_AT)."""
+    return bool(pids) and all(process_state(pid) == "T" for pid in pids)
 
 
 def test_diagnose_under_srun_names_a_stalled_rank_and_its_line(cluster, tmp_path):

@@ -19,6 +19,13 @@ from test_reliability import children, torchrun_worker, wait_for
 
 # What docs/elastic.md's commands set: torchrun's shared store deadlocks a node that joins later.
 ELASTIC = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+
+
+def paced(env, directory, seconds):
+    """env, each optimizer step slowed by `seconds` (the probe): between a snapshot the test sees and the hold
+    that follows, a node alone runs free, and at full speed (about 0.1 s an epoch) it could finish the run there."""
+    directory.mkdir(exist_ok=True)
+    return {**env, "DDP_EXAMPLES_PROBE_SAMPLES": str(directory), "DDP_EXAMPLES_PROBE_STEP_DELAY": str(seconds)}
 # torchrun's defaults would cost minutes: 30 s in which a lone node waits for more before it starts (last
 # call), 15 s before a dead node is dropped (3 missed heartbeats, 5 s apart).
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -115,8 +122,9 @@ def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_
     --max_restarts (a join costs none), and the two finish together."""
     port, go = free_port(), tmp_path / "go"
     node0, node1, node2 = (tmp_path / f"node{n}.pt" for n in range(3))
-    late = start([sys.executable, "-c", HELD_BACK, go, *agent_cmd(2, port, max_restarts=0)], tmp_path, ELASTIC)
-    first = start(agent_cmd(0, port), tmp_path, ELASTIC)
+    env = paced(ELASTIC, tmp_path / "probe", 0.02)  # 1.3 s an epoch alone: node 0 cannot run to the end unseen
+    late = start([sys.executable, "-c", HELD_BACK, go, *agent_cmd(2, port, max_restarts=0)], tmp_path, env)
+    first = start(agent_cmd(0, port), tmp_path, env)
     assert late.pid < first.pid, "node 2's pid must be the lower one (pid numbers wrapped around?)"
 
     # Node 1 joins with an older snapshot: a copy of node 0's first (rename makes every save whole).
@@ -126,7 +134,7 @@ def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_
     wait_for(lambda: epochs_in(node0) > older or first.poll() is not None, 120, "a newer snapshot on node 0")
     held = hold(first, restart=0)
     join1 = epochs_in(node0)
-    second = start(agent_cmd(1, port), tmp_path, ELASTIC)
+    second = start(agent_cmd(1, port), tmp_path, env)
     release_when_stopped_by_torchrun(held)
 
     # Node 1 leaves once it saved at world size 2: the whole node dies, its torchrun agent and its worker. (A
@@ -213,10 +221,11 @@ def test_the_documented_elastic_command_lets_a_node_join(tmp_path):
                 REPO / a if a == "multinode.py" else a for a in args]
         args[args.index("--total_epochs") + 1] = "8"
         nodes.append((BIN / "torchrun", *args))
-    first = start(nodes[0], tmp_path, clean_env(**variables))
+    env = paced(clean_env(**variables), tmp_path / "probe", 0.01)  # 0.6 s an epoch alone
+    first = start(nodes[0], tmp_path, env)
     wait_for(lambda: epochs_in(tmp_path / "node0.pt") >= 1 or first.poll() is not None, 120, "node 0's snapshot")
     held = hold(first, restart=0)
-    second = start(nodes[1], tmp_path, clean_env(**variables))
+    second = start(nodes[1], tmp_path, env)
     release_when_stopped_by_torchrun(held)
     out0, out1 = finish(first, 300), finish(second, 60)
     assert [first.returncode, second.returncode] == [0, 0], (out0, out1)

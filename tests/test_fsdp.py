@@ -24,7 +24,7 @@ from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, cl
                       epoch_lines, finish, free_port, run, start, summary, torchrun_cmd)
 import fsdp_checkpoint as checkpoint_dir
 from models_and_data import BlockMLP
-from test_reliability import torchrun_worker, wait_for
+from test_reliability import stopped_worker, torchrun_worker
 from test_step_checkpoints import epoch_batches
 
 FLAGS = ("--save_every", "2", "--batch_size", "256")  # 4 steps an epoch at 2 ranks: FSDP on a CPU is slow per step
@@ -312,16 +312,16 @@ def test_a_mid_epoch_checkpoint_resumes_at_another_world_size_with_every_sample_
     first.mkdir()
     second.mkdir()
     mid = tmp_path / "fsdp_checkpoints" / "epoch_000001_sample_000001024"
+    # Rank 1 stopped by the probe after step 7, then killed: rank 0 marked step 6's checkpoint complete before step
+    # 7's collectives, and cannot reach the next one (step 9) without rank 1.
     job = start(fsdp("--total_epochs", EPOCHS, *FLAGS, "--save_every_steps", "3"), cwd=tmp_path,
-                env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=first))
-    wait_for(lambda: (mid / checkpoint_dir.MARKER).exists() or job.poll() is not None, 180, "the mid-epoch checkpoint")
+                env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=first, DDP_EXAMPLES_PROBE_STOP_AT="1:0:7"))
+    stopped_worker(job, 1)
     for pid in [job.pid, *(torchrun_worker(job.pid, rank) for rank in (0, 1))]:
         os.kill(pid, signal.SIGKILL)
     finish(job, 60)
-    # Training may have gone on a step or two before the kill: what a crash right after the checkpoint leaves.
-    for later in (tmp_path / "fsdp_checkpoints").iterdir():
-        if later.name > mid.name:
-            shutil.rmtree(later)
+    assert (mid / checkpoint_dir.MARKER).exists(), "the mid-epoch checkpoint, complete"
+    assert max(path.name for path in (tmp_path / "fsdp_checkpoints").iterdir()) == mid.name, "none after it"
 
     out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--global_batch_size", "512", nproc=nproc), cwd=tmp_path,
               env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=second), timeout=180).stdout

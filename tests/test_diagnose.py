@@ -48,7 +48,7 @@ def train(rank, world_size):
     for step in range(int(os.environ.get("STEPS", 12))):
         if FAULT and rank == FAULT_RANK and step == AT_STEP:
             print(f"rank {rank}: {FAULT} at step {step}", flush=True)
-            if FAULT == "stall":
+            while FAULT == "stall" and not os.path.exists(os.environ.get("STALL_UNTIL", "/nonexistent")):
                 time.sleep(float(os.environ.get("STALL_S", 3600)))  # the stall
             if FAULT == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -119,14 +119,17 @@ def env_for(launcher, **extra):
     return base(MASTER_PORT=free_port(), **extra)
 
 
-def watch(cmd, env, cwd, aborts=False):
+def watch(cmd, env, cwd, aborts=False, on_line=lambda line: None):
     """Run a launch to its end: (exit code, [(time, line)]); one still running after HANG_GUARD_S fails, and so
-    does one that printed an abort marker (a crash) unless `aborts`."""
+    does one that printed an abort marker (a crash) unless `aborts`. on_line(line) as each line comes."""
     process = start(cmd, cwd, env)
     hung = threading.Event()
     timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
     timer.start()
-    lines = [(time.monotonic(), line.rstrip("\n")) for line in process.stdout]
+    lines = []
+    for line in process.stdout:
+        lines.append((time.monotonic(), line.rstrip("\n")))
+        on_line(lines[-1][1])
     process.wait()
     timer.cancel()
     if hung.is_set():
@@ -230,9 +233,12 @@ def test_under_debug_detail_both_sides_are_named_at_once(tmp_path, fault, other)
 
 @pytest.mark.slow
 def test_keep_waiting_prints_the_line_and_lets_the_job_finish(tmp_path):
-    """--keep-waiting: the line, then the job goes on; here the stall ends and the job finishes, exit 0."""
+    """--keep-waiting: the line, then the job goes on; here the stall ends once the line is out (the test creates the
+    file rank 1 waits for) and the job finishes, exit 0."""
     cmd = diagnose_cmd(*launch("torchrun", user_script(tmp_path)), options=["--keep-waiting"])
-    code, lines = watch(cmd, env_for("torchrun", FAULT="stall", STALL_S=TIMEOUT + 8, STEPS=6), tmp_path)
+    go = tmp_path / "go"
+    env = env_for("torchrun", FAULT="stall", STALL_UNTIL=go, STALL_S=0.2, STEPS=6)
+    code, lines = watch(cmd, env, tmp_path, on_line=lambda line: line.startswith("diagnose: ") and go.touch())
     line = the_line(lines)
     assert "rank 1 did not arrive" in line and line.endswith("(--keep-waiting: the job goes on waiting)"), line
     assert code == 0, "\n".join(text for _, text in lines)[-3000:]

@@ -79,7 +79,7 @@ def gpu_env(base=clean_env, **extra):
     return base(**{GPU_LAUNCH: "1"}, **extra)
 
 
-def _tagged(env):
+def _tagged(env, probes=True):
     env = {**(env or clean_env()), TOKEN_VARIABLE: _current_token}
     # Every other launch checks the CPU paths, on any machine: its GPUs hidden, a 2-rank job on a one-GPU machine
     # trains on the CPU as on a laptop rather than beside the GPU (test_gpu.py's case).
@@ -89,7 +89,8 @@ def _tagged(env):
     # side (-n 2) on 2 cores, the spinning threads take the cores from the processes that have work: test_tutorial.py
     # took 232 s of CPU for 123 s of wall time, and 190 s for 101 s once they sleep instead. Results do not change.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE), env.get("PYTHONPATH")]))
+    if probes:  # tests/support's sitecustomize in every process of the launch
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE), env.get("PYTHONPATH")]))
     return env
 
 
@@ -107,9 +108,10 @@ def listening(port):
     return False
 
 
-def start(cmd, cwd, env=None, merge_output=True):
-    """Popen a launch in its own session, tagged for teardown; read it with finish()."""
-    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=_tagged(env), text=True, start_new_session=True,
+def start(cmd, cwd, env=None, merge_output=True, probes=True):
+    """Popen a launch in its own session, tagged for teardown; read it with finish(). probes=False: without the
+    tests' probes, as a user's job runs."""
+    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=_tagged(env, probes), text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_output else subprocess.PIPE)
 
 

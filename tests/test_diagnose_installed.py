@@ -10,17 +10,15 @@ import re
 import socket
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
 import conftest
-from conftest import BIN, REPO, TOKEN_VARIABLE, check_no_abort, free_port, kill_launched, mpi_env
+from conftest import BIN, REPO, TOKEN_VARIABLE, free_port, mpi_env
+from test_hangs import watch
 
 TIMEOUT = 6  # the tool's --timeout
-HANG_GUARD_S = 180
 ENDS_WITHIN_S = 15  # from the tool's line to the job's last line (a stopped rank took torchrun 30 s more)
 TOOL_FRAME = re.compile(r'File "[^"]*[/\\]diagnose[/\\]')
 
@@ -176,23 +174,13 @@ def job_env(**extra):
 
 
 def diagnosed(venv, cwd, *launch, **env):
-    """torchdiagnose --timeout TIMEOUT LAUNCH... to its end: (exit code, [(time, line)]); one still running after
-    HANG_GUARD_S fails the test."""
-    cmd = [str(venv / "bin" / "torchdiagnose"), "--timeout", str(TIMEOUT), *map(str, launch)]
-    process = subprocess.Popen(cmd, cwd=cwd, env=job_env(**env), text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    hung = threading.Event()
-    timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
-    timer.start()
-    lines = [(time.monotonic(), line.rstrip("\n")) for line in process.stdout]
-    process.wait()
-    timer.cancel()
+    """torchdiagnose --timeout TIMEOUT LAUNCH... to its end, as test_hangs.watch runs it but in job_env (nothing of
+    the repository, not even the tests' probes): (exit code, [(time, line)]); no frame of the tool in a traceback."""
+    cmd = [venv / "bin" / "torchdiagnose", "--timeout", TIMEOUT, *launch]
+    code, lines = watch(cmd, cwd, job_env(**env), probes=False)
     output = "\n".join(line for _, line in lines)
-    if hung.is_set():
-        pytest.fail(f"still running after {HANG_GUARD_S}s:\n{output[-3000:]}")
-    check_no_abort(output, " ".join(cmd))
     assert not TOOL_FRAME.search(output), f"a frame of the tool in a traceback:\n{output[-5000:]}"
-    return process.returncode, lines
+    return code, lines
 
 
 def verdict(code, lines):

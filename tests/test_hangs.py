@@ -32,10 +32,11 @@ def diagnosed(launch):
     return [BIN / "torchdiagnose", "--timeout", str(TIMEOUT), *map(str, launch)]
 
 
-def watch(cmd, cwd, env=None, aborts=False):
+def watch(cmd, cwd, env=None, aborts=False, probes=True):
     """Run a launch to its end, every line with the time it came: (exit code, [(time, line)]). One that outlives
-    HANG_GUARD_S is killed and fails the test, and so does one that printed an abort marker unless `aborts`."""
-    process = start(cmd, cwd, env)
+    HANG_GUARD_S is killed and fails the test, and so does one that printed an abort marker unless `aborts`.
+    probes=False: without the tests' probes (conftest.start)."""
+    process = start(cmd, cwd, env, probes=probes)
     hung = threading.Event()
     timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
     timer.start()

@@ -66,14 +66,14 @@ class Launch:
         with self.arrived:
             self.arrived.notify_all()
 
-    def wait_for(self, pattern, timeout):
-        """The time of the first line matching `pattern`; raise if none comes."""
+    def wait_for(self, pattern, timeout, accept=lambda match: True):
+        """The match of the first line that matches `pattern` and that `accept` takes; raise if none comes."""
         deadline = time.perf_counter() + timeout
         with self.arrived:
             while True:
-                for t, line in self.lines:
-                    if re.search(pattern, line):
-                        return t
+                for _, line in self.lines:
+                    if (match := re.search(pattern, line)) and accept(match):
+                        return match
                 if self.process.poll() is not None and not self.reader.is_alive():
                     raise RuntimeError(f"exited {self.process.returncode} before {pattern!r}: {self.tail()}")
                 if time.perf_counter() > deadline:
@@ -144,8 +144,10 @@ def run_torchft(args, tmp):
                           "--lighthouse", f"http://127.0.0.1:{port}"], tmp)
                   for i in range(2)]
         try:
-            # The group that starts second heals from the first; the kill comes once both step together.
-            groups[1].wait_for(rf"^Step {args.kill_at} \| groups 2 ", args.launch_timeout)
+            # The group that starts second heals from the first; the kill comes once both step together, after step
+            # --kill_at (or after the first step together, if a slow start had group 1 heal past it).
+            killed_after = int(groups[1].wait_for(r"^Step (\d+) \| groups 2 ", args.launch_timeout,
+                                                  lambda m: int(m[1]) >= args.kill_at)[1])
             os.kill(worker_of(groups[1].process.pid, 0), signal.SIGKILL)
             kill_time = time.perf_counter()
             codes = [group.finish(args.launch_timeout) for group in groups]
@@ -157,7 +159,7 @@ def run_torchft(args, tmp):
         healthy = groups[0].lines
         times_steps = [(t, int(m[1])) for t, line in healthy if (m := TORCHFT_STEP.match(line))]
         redone = sum(1 for t, line in healthy if t > kill_time and NOT_COMMITTED.match(line))
-        result = measure(times_steps, kill_time, args.kill_at, redone)
+        result = measure(times_steps, kill_time, killed_after, redone)
         healed = [line for t, line in groups[1].lines if t > kill_time and line.startswith("Healed")]
         result["victim_healed"] = healed[0] if healed else None  # None: the others finished before it was back
         back = [t for t, line in groups[1].lines if t > kill_time and TORCHFT_STEP.match(line)]

@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # torchrun and torchft_lighthouse are installed beside this python
 LIGHTHOUSE_PORT = 29510
+HOLD_RATE = "100kbit"  # the link's rate from the sync line of --kill_after_sync to a --mid_sync kill
 
 
 class Sites:
@@ -53,10 +54,7 @@ class Sites:
                 ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
                 ip("-n", name, "link", "set", link, "up")
                 ip("-n", name, "link", "set", "lo", "up")
-                # tbf: a token bucket, `rate` on average; the bucket holds 10 ms of it (64 KB at least: one TSO
-                # segment), and a packet waits at most 100 ms for tokens before it is dropped (TCP sends it again).
-                run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", self.rate,
-                     "burst", str(max(65536, bits(self.rate) // 800)), "latency", "100ms"])
+            self.shape(self.rate, "add")
         except BaseException:
             self.__exit__()
             raise
@@ -71,6 +69,14 @@ class Sites:
                 except (ProcessLookupError, ValueError):
                     pass
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def shape(self, rate, verb="change"):
+        """Both ends of the veth pair at `rate` each way."""
+        for name, link in zip(self.names, self.links):
+            # tbf: a token bucket, `rate` on average; the bucket holds 10 ms of it (64 KB at least: one TSO
+            # segment), and a packet waits at most 100 ms for tokens before it is dropped (TCP sends it again).
+            run(["ip", "netns", "exec", name, "tc", "qdisc", verb, "dev", link, "root", "tbf", "rate", rate,
+                 "burst", str(max(65536, bits(rate) // 800)), "latency", "100ms"])
 
     def sent(self):
         """Bytes each end of the veth pair has sent so far: [site 0 to 1, site 1 to 0]."""
@@ -192,7 +198,8 @@ def parse_args(argv=None):
     parser.add_argument("--kill_site", type=int, choices=[0, 1], help="SIGKILL this site's group mid-run")
     parser.add_argument("--kill_after_sync", type=int, default=5, help="... after its Nth sync line (5)")
     parser.add_argument("--mid_sync", action="store_true",
-                        help="... and only once its next sync is under way (64 KB more sent): a lost sync")
+                        help="... and only once its next sync is under way (64 KB more sent; the link slowed to "
+                             f"{HOLD_RATE} meanwhile, so that the kill lands in it): a lost sync")
     parser.add_argument("--restart_after", type=float, help="start the killed site again after this many seconds")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the whole run may take (600)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags every site's script gets")
@@ -223,10 +230,16 @@ def main(args):
             if line is None:
                 raise SystemExit(f"error: site {args.kill_site} ended before its sync {args.kill_after_sync}")
             if args.mid_sync:  # its next sync sends: wait until some of it has crossed
+                # On a link slowed from now to the kill: the bucket's 64 KB pass at once, the rest of the sync takes
+                # seconds, so the kill lands in it however long it takes to come (at --rate the sync can be over in
+                # a blink, before a busy machine's kill). The heartbeats and the next quorum pass the slow link.
+                sites.shape(HOLD_RATE)
                 mark = sites.sent()[args.kill_site]
                 while sites.sent()[args.kill_site] < mark + 65536 and victim.process.poll() is None:
                     time.sleep(0.01)
             victim.kill()
+            if args.mid_sync:
+                sites.shape(args.rate)
             print(f"Killed site {args.kill_site} (SIGKILL) after its sync {args.kill_after_sync}", flush=True)
             if args.restart_after is not None:
                 time.sleep(args.restart_after)

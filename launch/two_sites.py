@@ -71,12 +71,24 @@ class Sites:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
     def shape(self, rate, verb="change"):
-        """Both ends of the veth pair at `rate` each way."""
+        """Both ends of the veth pair at `rate` each way (a change drops the packets that wait)."""
         for name, link in zip(self.names, self.links):
             # tbf: a token bucket, `rate` on average; the bucket holds 10 ms of it (64 KB at least: one TSO
             # segment), and a packet waits at most 100 ms for tokens before it is dropped (TCP sends it again).
             run(["ip", "netns", "exec", name, "tc", "qdisc", verb, "dev", link, "root", "tbf", "rate", rate,
                  "burst", str(max(65536, bits(rate) // 800)), "latency", "100ms"])
+
+    def drain(self, site, keep=(), timeout=10):
+        """Wait until no process but `keep` is left in the site and its end of the link has sent what waited then:
+        the RST of a killed process's socket is sent once, and a shape() before it leaves would drop it."""
+        deadline = time.monotonic() + timeout
+        pids = ["ip", "netns", "pids", self.names[site]]
+        while set(map(int, run(pids).split())) - set(keep) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        qdisc = ["ip", "netns", "exec", self.names[site], "tc", "-s", "-j", "qdisc", "show", "dev", self.links[site]]
+        stats = json.loads(run(qdisc))[0]
+        while json.loads(run(qdisc))[0]["packets"] < stats["packets"] + stats["qlen"] and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def sent(self):
         """Bytes each end of the veth pair has sent so far: [site 0 to 1, site 1 to 0]."""
@@ -239,6 +251,7 @@ def main(args):
                     time.sleep(0.01)
             victim.kill()
             if args.mid_sync:
+                sites.drain(args.kill_site, keep=[lighthouse.pid])
                 sites.shape(args.rate)
             print(f"Killed site {args.kill_site} (SIGKILL) after its sync {args.kill_after_sync}", flush=True)
             if args.restart_after is not None:

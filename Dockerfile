@@ -6,6 +6,8 @@
 #     docker run --rm -e NPROC_PER_NODE=1 --gpus all ddp-examples:latest        # a single GPU
 #     docker run --rm ddp-examples:latest                                        # no GPU: 2 CPU processes, gloo
 #     docker run --rm ddp-examples:latest mpirun -np 2 python run_with_mpirun.py --train
+#     docker run --rm ddp-examples:latest torchdiagnose --timeout 10 torchrun --standalone --nproc_per_node=2 \
+#         hangs.py --fault stall                                                 # docs/hangs.md: who hangs, where
 #
 # The image's torch is the base's CUDA build (2.13.0+cuXYZ, with its CUDA libraries), GPUs or not.
 # With GPUs (--gpus all, a driver that supports the base's CUDA): NCCL, one process per GPU, on
@@ -38,6 +40,8 @@ RUN pip install -r requirements.txt \
     && python -c "import torch, mpi4py; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 
 COPY . .
+# torchdiagnose (diagnose/, docs/hangs.md), installed as users install it; pip builds it with hatchling.
+RUN pip install ./diagnose && torchdiagnose --version
 
 # The quick start: torchrun, NPROC_PER_NODE processes (NCCL with GPUs, gloo without), 20 epochs.
 CMD ["sh", "-c", "exec torchrun --standalone --nproc_per_node=\"$NPROC_PER_NODE\" multigpu_torchrun.py --total_epochs 20 --save_every 5"]

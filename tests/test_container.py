@@ -33,6 +33,7 @@ import resource
 import shlex
 import shutil
 import sys
+import tomllib
 from collections import namedtuple
 from pathlib import Path
 
@@ -187,6 +188,11 @@ def host_torch():
     return HostTorch(torch.__version__, site, files, scripts, {name: d.version for name, d in carried.items()})
 
 
+def toml_build_requires(path):
+    """A pyproject.toml's [build-system] requires: what pip installs to build the project."""
+    return tomllib.loads(path.read_text())["build-system"]["requires"]
+
+
 def wheelhouse_requirements(carried):
     """What `pip download` fetches for the build. With torch carried by the base: the host's own versions of
     what requirements.txt needs beyond what the base carries, each without its dependencies, so that no
@@ -262,6 +268,10 @@ def image(podman, base_torch):
     finally:
         out = finish(download, timeout=900)
     assert download.returncode == 0, f"pip download exited {download.returncode}:\n{out[-3000:]}"
+    # The Dockerfile's `pip install ./diagnose` builds torchdiagnose's wheel: its build backend, with what it needs.
+    build_backend = toml_build_requires(REPO / "diagnose" / "pyproject.toml")
+    run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--python-version=3.11",
+         "--dest", wheels, *build_backend], cwd=root, timeout=300)
     podman("import", "--change", f"ENV PATH=/opt/venv/bin:{DEFAULT_PATH}", base, BASE, timeout=900)
     base.unlink()
     # The test's pip configuration also skips byte-compiling (some 20 s of the build here): the modules
@@ -273,12 +283,12 @@ def image(podman, base_torch):
     return IMAGE
 
 
-def container(podman, image, *command, timeout=300):
+def container(podman, image, *command, timeout=300, check=True):
     """`docker run --rm` with no network but the container's loopback. The tests' probes (tests/support)
     load in every Python process inside, as in the tests' other launches. conmon, not the test, bounds the
     container's life (--timeout), so that not even a killed pytest leaves it running."""
     return podman("run", "--rm", "--network=none", f"--timeout={timeout}", "--volume", f"{PROBE}:/probe:ro",
-                  "--env", "PYTHONPATH=/probe", image, *command, timeout=timeout + 60)
+                  "--env", "PYTHONPATH=/probe", image, *command, timeout=timeout + 60, check=check)
 
 
 def test_image_holds_the_pinned_torch_and_the_repository_less_what_dockerignore_lists(podman, image):
@@ -315,6 +325,17 @@ def test_default_command_is_the_quick_start_on_two_cpu_processes(podman, image):
     losses = epoch_losses(out)
     assert len(losses) == 20 and losses[-1] < losses[0] / 10, losses
     assert "Epoch 19 | Snapshot saved at multigpu_torchrun.pt" in out
+
+
+def test_torchdiagnose_in_the_image_names_a_stalled_rank_and_its_line(podman, image):
+    """The Dockerfile installs torchdiagnose (its console script and its start-up hook): the commented command
+    finds hangs.py's stalled rank inside a container."""
+    result = container(podman, image, "torchdiagnose", "--timeout", "10", "torchrun", "--standalone",
+                       "--nproc_per_node=2", "hangs.py", "--fault", "stall", check=False)
+    said = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("diagnose: ")]
+    verdict = said[-1] if said else ""
+    assert result.returncode != 0 and verdict.startswith("diagnose: collective #"), result.stderr[-3000:]
+    assert "rank 1 did not arrive: it is alive, in its own code at hangs.py:" in verdict, verdict
 
 
 def test_mpirun_trains_inside_the_image(podman, image):

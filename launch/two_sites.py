@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # torchrun and torchft_lighthouse are installed beside this python
 LIGHTHOUSE_PORT = 29510
-HOLD_RATE = "100kbit"  # the link's rate from the sync line of --kill_after_sync to a --mid_sync kill
+HOLD_RATE = "32kbit"  # the link's rate from the sync line of --kill_after_sync to a --mid_sync kill
 
 
 class Sites:
@@ -243,10 +243,10 @@ def main(args):
                 raise SystemExit(f"error: site {args.kill_site} ended before its sync {args.kill_after_sync}")
             if args.mid_sync:  # its next sync sends: wait until some of it has crossed
                 # On a link slowed from now to the kill: the bucket's 64 KB pass at once, the rest of the sync takes
-                # seconds, so the kill lands in it however long it takes to come (at --rate the sync can be over in
-                # a blink, before a busy machine's kill). The heartbeats and the next quorum pass the slow link.
-                sites.shape(HOLD_RATE)
+                # many seconds, so the kill lands in it however long it takes to come (at --rate the sync can be over
+                # in a blink, before a busy machine's kill). The heartbeats and the next quorum pass the slow link.
                 mark = sites.sent()[args.kill_site]
+                sites.shape(HOLD_RATE)
                 while sites.sent()[args.kill_site] < mark + 65536 and victim.process.poll() is None:
                     time.sleep(0.01)
             victim.kill()

@@ -29,7 +29,6 @@ SUMMARY = re.compile(r"^Summary: steps committed (\d+) \| by this group (\d+) tr
 # with them and held until then: held_env), and the steps then run at much the same pace on any machine.
 DELAY = "0.1"
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
-HOLD = Path(__file__).parent / "hold"  # its usercustomize holds a group after its imports: held_env()
 
 
 def held_env(gate, **extra):
@@ -38,8 +37,7 @@ def held_env(gate, **extra):
     machine. Started only when that point comes, it would join after its whole start-up, a race with the others'
     remaining steps (seen: 16 s of 26)."""
     gate.mkdir()
-    path = os.pathsep.join(filter(None, [str(HOLD), os.environ.get("PYTHONPATH")]))
-    return clean_env(PYTHONPATH=path, DDP_EXAMPLES_HOLD=f"torchft:{gate}", **extra)
+    return clean_env(DDP_EXAMPLES_HOLD=f"torchft:{gate}", **extra)  # the probe (tests/support) holds it
 
 
 def start_lighthouse():

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ import torch.nn.functional as F
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, finish, free_port,
                       listening, load_snapshot, python_cmd, run, start, torchrun_cmd)
 
-HOLD = Path(__file__).parent / "hold"  # its usercustomize holds a process after an import
 SYNC = re.compile(r"^(?:\[site (\d)\] )?Sync (\d+) \| step (\d+) \| groups (\d+) \| sent (\d+) B \| loss ([\d.]+)$",
                   re.M)
 
@@ -174,11 +172,11 @@ def test_two_sites_over_a_shaped_link_a_killed_site_costs_one_round_and_rejoins(
         pytest.skip(why)
     # 35,329 parameters (141 KB a sync) at 2 Mbit/s: a sync takes some 0.6 s, and the kill lands in one (the
     # helper slows the link from site 1's sync 3 to the kill: the sync cannot end before it, however late it comes).
-    # Both sites' groups wait after their imports until both have come that far (tests/hold): else one that started
+    # Both sites' groups wait after their imports until both have come that far (the probe's DDP_EXAMPLES_HOLD, in
+    # tests/support): else one that started
     # seconds later on a busy machine finds the other synced alone past sync 3 (--min_replicas 1).
     (tmp_path / "hold").mkdir()
-    hold = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HOLD), os.environ.get("PYTHONPATH")])),
-            "DDP_EXAMPLES_HOLD": f"torchft:{tmp_path / 'hold'}:2"}
+    hold = {"DDP_EXAMPLES_HOLD": f"torchft:{tmp_path / 'hold'}:2"}
     result = run(python_cmd("launch/two_sites.py", "--rate", "2mbit", "--min_replicas", "1", "--kill_site", "1",
                             "--kill_after_sync", "3", "--mid_sync", "--restart_after", "0", "--",
                             "--sync_every", "10", "--steps", "400", "--hidden", "64", "--step_delay", "0.1",

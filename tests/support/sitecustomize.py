@@ -30,6 +30,12 @@ On request, through the environment:
   78 steps before the test's SIGKILL landed). Each stop happens once in the job: the first process to reach
   it leaves DIR/stopped-R-C-N, and a later process with the same rank and round (an elastic join, a requeued
   job) goes on.
+- DDP_EXAMPLES_HOLD=MODULE:DIR[:N]: a worker that torchrun started (LOCAL_RANK set: not torchft_lighthouse, a Python
+  program too) waits right after its `import MODULE` until the file DIR/go exists or, with N, until N workers have
+  come that far (each leaves DIR/arrived-<pid>); at most 10 minutes. So a test can start a torchft group with the
+  others, its imports (seconds on a busy machine) running beside their training, and have it join at the point the
+  test chooses (DIR/go), or have groups started together join together (N). Started late instead, a group joins
+  after its whole start-up: a race with the others' remaining steps (seen: 16 s of 26).
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -214,6 +220,18 @@ def patch_mps(module):
     module.backends.mps.is_available = lambda: True
 
 
+def hold(module):
+    """DDP_EXAMPLES_HOLD: wait after the import, until DIR/go exists or N workers have arrived."""
+    _, directory, *count = os.environ["DDP_EXAMPLES_HOLD"].split(":")
+    open(os.path.join(directory, f"arrived-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        names = os.listdir(directory)
+        if "go" in names or (count and sum(n.startswith("arrived-") for n in names) >= int(count[0])):
+            return
+        time.sleep(0.05)
+
+
 PATCHES = {"torch.distributed.distributed_c10d": patch_c10d}
 if os.environ.get("DDP_EXAMPLES_PROBE_WEIGHTS"):
     PATCHES["transformers.trainer"] = patch_trainer
@@ -228,6 +246,8 @@ if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_GPUS"):
     PATCHES["torch"] = patch_torch
 if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_MPS"):
     PATCHES["torch"] = patch_mps
+if os.environ.get("DDP_EXAMPLES_HOLD") and "LOCAL_RANK" in os.environ:
+    PATCHES[os.environ["DDP_EXAMPLES_HOLD"].split(":")[0]] = hold
 
 
 class PatchAfterImport(importlib.abc.MetaPathFinder):

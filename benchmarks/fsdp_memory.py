@@ -22,7 +22,7 @@ from benchmarks import common, report
 from benchmarks.launches import BIN, REPO, clean_env
 
 WORKER = r'''
-import functools, json, resource, sys
+import functools, gc, json, resource, sys
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, {repo!r})
@@ -57,7 +57,9 @@ rows = [None] * dist.get_world_size()
 dist.all_gather_object(rows, {{"rank": dist.get_rank(), "peak_bytes": peak, "shard_bytes": shard, "full_bytes": full}})
 if dist.get_rank() == 0:
     print(json.dumps(rows))
-del model
+del model  # as fsdp.py ends: FSDP2's reference cycles and DTensor's caches hold the group, which would otherwise be
+gc.collect()  # torn down at interpreter exit, where gloo's threads can abort the process (seen once: SIGABRT)
+mesh._pg_registry.clear()
 dist.destroy_process_group()
 '''
 

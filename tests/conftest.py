@@ -94,6 +94,14 @@ def _tagged(env, probes=True):
     return env
 
 
+def process_state(pid):
+    """A process's state letter in /proc (R, S, T: stopped, Z: a zombie ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def listening(port):
     """Whether a process listens on `port` by now: read from /proc, without connecting, so that the listener
     sees nothing. torchrun's c10d rendezvous store is hosted by the first agent to bind its port; a test that

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import (BIN, REPO, assert_bitwise_equal, clean_env, epoch_lines, finish,
-                      free_port, launched_pids, load_snapshot, start, summary)
+from conftest import (BIN, REPO, assert_bitwise_equal, clean_env, epoch_lines, finish, free_port, launched_pids,
+                      load_snapshot, process_state, start, summary)
 from test_reliability import children, torchrun_worker, wait_for
 
 # What docs/elastic.md's commands set: torchrun's shared store deadlocks a node that joins later.
@@ -67,11 +67,7 @@ def epochs_in(path):
 
 
 def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 def signal_pending(pid, sig):

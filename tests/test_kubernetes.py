@@ -26,7 +26,7 @@ from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 from pydantic import ValidationError
 
 from conftest import (BIN, REPO, check_no_abort, clean_env, epoch_lines, free_port, kill_launched, load_snapshot,
-                      start, summary)
+                      process_state, start, summary)
 
 K8S = REPO / "k8s"
 PYTORCHJOB = K8S / "pytorchjob-multinode.yaml"
@@ -369,14 +369,6 @@ STEPS_PER_EPOCH = 16  # 2048 samples, 4 ranks, the default batch of 32
 # raced the job, which trains an epoch in a fraction of a second and could save the next one first.)
 SAVED_AT_DEATH = SAVE_EVERY
 STOP_STEP = SAVED_AT_DEATH * STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2
-
-
-def process_state(pid):
-    """A process's state letter in /proc (R, S, T: stopped, Z ...), or None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 # What c10d prints each time the master's address does not resolve (torch 2.13); then it tries again.

@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_same_training_state, clean_env, finish, free_port,
-                      load_snapshot, mpi_env, mpirun_cmd, python_cmd, run, start, summary, torchrun_cmd)
+                      load_snapshot, mpi_env, mpirun_cmd, process_state, python_cmd, run, start, summary, torchrun_cmd)
 
 FLAGS = ("--save_every", "2", "--batch_size", "16")
 EPOCHS = "16"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
@@ -75,11 +75,7 @@ def stopped_worker(job, local_rank, restart=0):
     tests/support/sitecustomize.py), to be killed at exactly that step: no wait from outside can race the job."""
     def stopped():
         pid = torchrun_worker(job.pid, local_rank, restart)
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if pid else None
-        except OSError:  # it ended meanwhile
-            return None
-        return pid if state == "T" else None
+        return pid if pid and process_state(pid) == "T" else None
     wait_for(lambda: stopped() or job.poll() is not None, 120, f"rank {local_rank} to stop at its step")
     pid = stopped()
     assert pid, f"the job ended before rank {local_rank} stopped: {finish(job, 30)}"

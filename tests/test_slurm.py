@@ -17,7 +17,7 @@ from subprocess import PIPE
 import pytest
 
 from conftest import (BIN, PROBE, REPO, assert_bitwise_equal, check_no_abort, clean_env, collectives_issued,
-                      epoch_lines, load_snapshot, run, summary, torchrun_cmd)
+                      epoch_lines, load_snapshot, process_state, run, summary, torchrun_cmd)
 from slurm_cluster import NODES, SlurmCluster, site_libmpi, unavailable
 
 WHY_NOT = unavailable()
@@ -235,14 +235,6 @@ def cmdline(pid):
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
-
-
-def process_state(pid):
-    """A process's state letter in /proc (R, S, T: stopped, Z: a zombie ...), or None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 def alive(pid):

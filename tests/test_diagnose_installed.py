@@ -1,15 +1,17 @@
-"""torchdiagnose as a user gets it: the wheel built from diagnose/, installed in a venv of its own (torch from this
-machine's Python through --system-site-packages, nothing of the repository importable), run from a folder outside
-the repository on scripts written here in the shapes users write: the PyTorch DDP tutorial's (mp.spawn, MASTER_PORT
-set by the script, world_size passed to init_process_group; under mpirun too) and a torchrun script that evaluates
-on rank 0 while the others wait. Each case checks the words of its line and that the tool's last line repeats it
-after the launcher's report, the job ended at once, and no frame of the tool is in any traceback.
+"""torchdiagnose as a user gets it: the wheel built from diagnose/, installed in a venv of its own (torch from the
+Python that runs the tests, through a .pth naming its site-packages; nothing of the repository importable), run from
+a folder outside the repository on scripts written here in the shapes users write: the PyTorch DDP tutorial's
+(mp.spawn, MASTER_PORT set by the script, world_size passed to init_process_group; under mpirun too) and a torchrun
+script that evaluates on rank 0 while the others wait. Each case checks the words of its line and that the tool's last
+line repeats it after the launcher's report, the job ended at once, and no frame of the tool is in any traceback.
 """
 import fcntl
 import re
+import site
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,7 +150,15 @@ def venv(tmp_path_factory):
             subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", shared / "wheels",
                             REPO / "diagnose"], check=True, cwd=shared, timeout=300)
             (wheel,) = (shared / "wheels").glob("torchdiagnose-*.whl")
-            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True, timeout=120)
+            subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+            # torch from the Python that runs the tests, whether it is a venv (the README's install) or not:
+            # --system-site-packages would reach only the base interpreter's packages. A .pth's plain folder lines
+            # put the folders on sys.path without running their own .pth files, so the repository's editable
+            # install of the tool (requirements-dev.txt) stays out of this venv.
+            purelib = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path("
+                                      "'purelib'))"], check=True, capture_output=True, text=True, timeout=60)
+            folders = dict.fromkeys([*site.getsitepackages(), str(Path(torch.__file__).parent.parent)])
+            Path(purelib.stdout.strip(), "torch_of_the_tests.pth").write_text("\n".join(folders) + "\n")
             subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel],
                            check=True, cwd=shared, timeout=300)
             (venv / "ready").write_text("")
@@ -208,8 +218,8 @@ def test_the_wheel_installs_the_command_and_its_hook_and_nothing_of_the_reposito
              "'diagnose.hook' in sys.modules)")
     found = subprocess.run([python, "-c", probe], cwd=elsewhere, env=job_env(), capture_output=True, text=True,
                            timeout=60, check=True).stdout.split("\n")
-    # The wheel's: the global Python's editable install (requirements-dev.txt), which --system-site-packages lets
-    # this venv see too, comes after it on sys.path.
+    # The wheel's: the tests' Python's folders come after the venv's own on sys.path, and its editable install
+    # (requirements-dev.txt) is not loaded here.
     assert found[0].startswith(str(venv)), found
     assert found[1] == "None None False", found  # nothing of the repository; the hook only under the prefix
     hooked = subprocess.run([python, "-c", "import sys, diagnose.hook as h; print('diagnose.hook' in sys.modules, "

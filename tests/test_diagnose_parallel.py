@@ -2,15 +2,13 @@
 rank stalled: the line names the rank, the collective (DTensor's all_reduce and the parallel style and module it
 comes from; for a pipeline, the send or recv that never came and the stage it waits on) and the script's line.
 
-The scripts are not edited: a probe (usercustomize.py, loaded by every process through PYTHONPATH beside the tests'
-own sitecustomize) makes rank STALL_RANK stall in the model's first forward after STALL_STEP optimizer steps (in a
-pipeline, the stage's forward of the step's first micro-batch): STALL=sleep (its
-Python waits: the rank is named alive, idle, at its line), STALL=stop (it SIGSTOPs itself: named stopped), and
-STALL=backward (it sleeps in the backward of that call). The lines of the scripts are found in their text, so that
-edits elsewhere in them do not break the tests.
+The scripts are not edited: the tests' probe (tests/support/sitecustomize.py, DDP_EXAMPLES_PROBE_STALL) makes one
+rank stall in the model's first forward after a given number of optimizer steps (in a pipeline, the stage's forward
+of the step's first micro-batch): sleep (its Python waits: the rank is named alive, idle, at its line), stop (it
+SIGSTOPs itself: named stopped), and backward (it sleeps in the backward of that call). The lines of the scripts are
+found in their text, so that edits elsewhere in them do not break the tests.
 """
 import re
-import site
 import threading
 import time
 
@@ -20,63 +18,6 @@ TIMEOUT = 6  # the tool's --timeout
 HANG_GUARD_S = 180
 SIZES = ["--width", "16", "--hidden", "32", "--depth", "2", "--total_epochs", "20", "--save_every", "1000"]
 BATCH, WIDTH, MICROBATCHES = 256, 16, 4  # the scripts' default global batch and micro-batches; SIZES's width
-
-PROBE = '''\
-"""Test probe (tests/test_diagnose_parallel.py): rank STALL_RANK stalls in BlockMLP.forward, the first call after
-STALL_STEP optimizer steps."""
-import importlib.abc
-import importlib.util
-import os
-import signal
-import sys
-import time
-
-
-def stalling(forward):
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    steps = [0]
-
-    def count(optimizer, args, kwargs):
-        steps[0] += 1
-
-    register_optimizer_step_post_hook(count)  # every optimizer's
-
-    def forward_or_stall(self, x):
-        if steps[0] != int(os.environ["STALL_STEP"]) or os.environ.get("RANK") != os.environ["STALL_RANK"]:
-            return forward(self, x)
-        steps[0] = -1  # once
-        print(f"rank {os.environ['RANK']}: stall {os.environ['STALL']}", flush=True)
-        if os.environ["STALL"] == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        if os.environ["STALL"] == "backward":
-            out = forward(self, x)
-            out.register_hook(lambda grad: time.sleep(3600))  # the backward stall
-            return out
-        time.sleep(3600)  # the forward stall
-        return forward(self, x)
-    return forward_or_stall
-
-
-class Probe(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "models_and_data":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            module.BlockMLP.forward = stalling(module.BlockMLP.forward)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if os.environ.get("STALL_RANK"):
-    sys.meta_path.insert(0, Probe())
-'''
-
 
 def line_of(script, marker):
     """'script:N', the first line of the repository's `script` that holds `marker`."""
@@ -89,13 +30,9 @@ def line_of(script, marker):
 def diagnosed(tmp_path, script, stall, rank, step):
     """Launch `script` on 2 ranks under torchdiagnose with rank `rank` stalled in step `step`: the tool's line
     (exactly one, repeated as the job's last line) once the job has ended, which it must within HANG_GUARD_S."""
-    assert site.ENABLE_USER_SITE, "this Python loads no usercustomize: the probe needs it"
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    (probe / "usercustomize.py").write_text(PROBE)
     cmd = [BIN / "torchdiagnose", "--timeout", TIMEOUT, BIN / "torchrun", "--standalone", "--nproc_per_node=2",
            REPO / script, *SIZES, "--snapshot_path", tmp_path / "checkpoints"]
-    env = clean_env(PYTHONPATH=probe, OMP_NUM_THREADS=1, STALL=stall, STALL_RANK=rank, STALL_STEP=step)
+    env = clean_env(OMP_NUM_THREADS=1, DDP_EXAMPLES_PROBE_STALL=f"{stall}:{rank}:{step}")
     process = start(cmd, tmp_path, env)
     hung = threading.Event()
     timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
@@ -132,7 +69,7 @@ def test_tensor_parallel_with_a_rank_stalled_in_backward_names_the_gradients_all
     backward = re.escape(line_of("tensor_parallel.py", ".backward()"))
     head = (rf"diagnose: collective #\d+ \(all_reduce of \[{BATCH}, {WIDTH}\], DTensor's gradients in backward\(\) "
             rf"at {backward}\) waited more than --timeout {TIMEOUT}s: rank 1 did not arrive: it is alive, in its own "
-            rf"code at {backward} \(innermost: probe/usercustomize\.py:\d+ in <lambda>\), idle")
+            rf"code at {backward} \(innermost: sitecustomize\.py:\d+ in <lambda>\), idle")
     assert re.match(head, line), line
 
 
@@ -143,7 +80,7 @@ def test_pipeline_with_a_stage_stalled_in_python_names_the_recv_that_never_came(
     step = re.escape(line_of("pipeline_parallel.py", "self.schedule.step("))
     head = (rf"diagnose: p2p recv of \[{BATCH // MICROBATCHES}, {WIDTH}\] from stage 0 \(rank 0\), the activations "
             rf"for stage 1's forward, at {step} waited more than --timeout {TIMEOUT}s: rank 0 did not send it: it is "
-            rf"alive, in its own code at pipeline_parallel\.py:\d+ \(innermost: probe/usercustomize\.py:\d+ in "
+            rf"alive, in its own code at pipeline_parallel\.py:\d+ \(innermost: sitecustomize\.py:\d+ in "
             rf"forward_or_stall\), idle")
     assert re.match(head, line), line
     assert "flight recorder: `torchfrtrace fr_traces/" in line, line  # both ranks answered

@@ -12,7 +12,10 @@ import yaml
 from conftest import BIN, REPO, run
 
 SBATCH = sorted((REPO / "slurm").glob("*.sbatch"))
-SHELL_FILES = SBATCH + sorted(p for p in REPO.rglob("*.sh") if ".git" not in p.parts)
+# The repository's own shell files: not those of .git, nor of a virtual environment made inside the clone (the
+# README's .venv holds packages' shell files, which are not ours to check).
+VENVS = {p.parent.name for p in REPO.glob("*/pyvenv.cfg")}
+SHELL_FILES = SBATCH + sorted(p for p in REPO.rglob("*.sh") if not {".git", *VENVS} & set(p.relative_to(REPO).parts))
 YAML_FILES = sorted((REPO / "k8s").glob("*.yaml"))
 K8S_CLAIM = REPO / "k8s" / "snapshots-pvc.yaml"  # a volume: no command
 DOCKERFILE = REPO / "Dockerfile"

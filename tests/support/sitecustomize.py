@@ -36,6 +36,10 @@ On request, through the environment:
   others, its imports (seconds on a busy machine) running beside their training, and have it join at the point the
   test chooses (DIR/go), or have groups started together join together (N). Started late instead, a group joins
   after its whole start-up: a race with the others' remaining steps (seen: 16 s of 26).
+- DDP_EXAMPLES_PROBE_STALL=HOW:R:N: rank R stalls in models_and_data's BlockMLP.forward, the first call after its
+  N-th optimizer step (tests/test_diagnose_parallel.py, a hang for torchdiagnose to name): HOW=sleep (its Python
+  waits in the forward), stop (it SIGSTOPs itself), backward (it sleeps in the backward of that call). It prints
+  "rank R: stall HOW" first.
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -220,6 +224,35 @@ def patch_mps(module):
     module.backends.mps.is_available = lambda: True
 
 
+def patch_stall(module):
+    """DDP_EXAMPLES_PROBE_STALL: wrap BlockMLP.forward so that the chosen rank stalls once, after its N-th step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    how, rank, step = os.environ["DDP_EXAMPLES_PROBE_STALL"].split(":")
+    forward = module.BlockMLP.forward
+    steps = [0]
+
+    def count(optimizer, args, kwargs):
+        steps[0] += 1
+
+    register_optimizer_step_post_hook(count)  # every optimizer's
+
+    def forward_or_stall(self, x):
+        if steps[0] != int(step) or os.environ.get("RANK") != rank:
+            return forward(self, x)
+        steps[0] = -1  # once
+        say(f"rank {rank}: stall {how}")
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if how == "backward":
+            out = forward(self, x)
+            out.register_hook(lambda grad: time.sleep(3600))  # the backward stall
+            return out
+        time.sleep(3600)  # the forward stall
+        return forward(self, x)
+
+    module.BlockMLP.forward = forward_or_stall
+
+
 def hold(module):
     """DDP_EXAMPLES_HOLD: wait after the import, until DIR/go exists or N workers have arrived."""
     _, directory, *count = os.environ["DDP_EXAMPLES_HOLD"].split(":")
@@ -246,6 +279,8 @@ if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_GPUS"):
     PATCHES["torch"] = patch_torch
 if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_MPS"):
     PATCHES["torch"] = patch_mps
+if os.environ.get("DDP_EXAMPLES_PROBE_STALL"):
+    PATCHES["models_and_data"] = patch_stall
 if os.environ.get("DDP_EXAMPLES_HOLD") and "LOCAL_RANK" in os.environ:
     PATCHES[os.environ["DDP_EXAMPLES_HOLD"].split(":")[0]] = hold
 

@@ -16,6 +16,7 @@ import shutil
 import sys
 import threading
 import uuid
+import warnings
 from concurrent.futures import Future
 from contextlib import contextmanager
 
@@ -162,6 +163,16 @@ def check_fits(path, state):
         sys.exit(f"error: checkpoint {path} does not fit this model or optimizer ({'; '.join(differences[:3])}"
                  f"{'; ...' if len(differences) > 3 else ''}); it belongs to another model or flags: move it away or "
                  "pass another --snapshot_path")
+
+
+def load_whole_model(model, path):
+    """`model` (whole, not split) with the weights of the checkpoint at `path`, saved in any layout, read by this
+    process alone: no process group needed. DCP reads each tensor from the shards that hold its pieces."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: what this function is for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True)  # into the parameters, in place
+    return model
 
 
 def join_save_threads():

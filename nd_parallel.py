@@ -1,37 +1,45 @@
 """Step 8: data, tensor and pipeline parallelism at once, on one DeviceMesh with named dimensions.
 
-    torchrun --standalone --nproc_per_node=8 nd_parallel.py --dp 2 --tp 2 --pp 2 --total_epochs 4      # 3-D
-    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 2 --tp 2 --total_epochs 4             # FSDP2 x TP
-    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 4 --dp_replicate 2 --total_epochs 4   # HSDP 2 x 2
-    torchrun --standalone --nproc_per_node=1 nd_parallel.py --total_epochs 4                           # one process
+    torchrun --standalone --nproc_per_node=8 nd_parallel.py --dp 2 --tp 2 --pp 2                       # 3-D
+    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 2 --tp 2                              # FSDP2 x TP
+    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 4 --dp_replicate 2                    # HSDP 2 x 2
+    torchrun --standalone --nproc_per_node=4 nd_parallel.py --pp 2 --tp 2 --schedule zbv               # 2 stages a rank
+    torchrun --standalone --nproc_per_node=1 nd_parallel.py                                            # one process
 
 The mesh is pp x dp_replicate x dp_shard x tp (tp innermost: a tensor-parallel group's ranks are neighbours, on one
-machine). Rank r sits at one coordinate of each: the pipeline stage it runs (pipeline_parallel.py: the model
-without what the stage does not own), its data-parallel rank (its part of every global batch), and its piece of
-each block (tensor_parallel.py: fc1 ColwiseParallel, fc2 RowwiseParallel over the tp group). FSDP2 (fsdp.py) then
-shards what the rank holds over the dp_shard group, and with --dp_replicate R (HSDP) keeps R copies of the shards,
-their gradients all-reduced over dp_replicate. --dp defaults to the processes over tp x pp. Every axis is always
-applied: an axis of size 1 only costs bookkeeping, so one GPU runs the same code. It prints:
+machine). Rank r sits at one coordinate of each: the pipeline stages it runs (pipeline_parallel.py: the decoder
+without what its stages do not own), its data-parallel rank (its part of every global batch), and its piece of
+each layer (tensor_parallel.py: the heads and the MLP split over the tp group, the norms over the sequence). FSDP2
+(fsdp.py) then shards what the rank holds over the dp_shard group, and with --dp_replicate R (HSDP) keeps R copies
+of the shards, their gradients all-reduced over dp_replicate. --dp defaults to the processes over tp x pp. An axis
+of size 1 is left out: one process trains the plain decoder through a one-stage schedule. It prints:
 
     Training on 8 processes | device cpu | backend gloo
-    Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 128 samples a data-parallel rank in 2 micro-batches | ...
-    Rank 0 | pp 0 dp_replicate 0 dp_shard 0 tp 0 | inp, blocks.0, blocks.1 | 17,376 of 134,401 parameters | ...
-    Rank 7 | pp 1 dp_replicate 0 dp_shard 1 tp 1 | blocks.2, blocks.3, norm, out | 16,768 of 134,401 parameters | ...
-    Epoch 0 | Batchsize 128 | Steps 8 | Loss 1.031492
+    Text: Python's help text (pydoc_data), 465,048 characters; ... | 3,277 sequences of 128 bytes to train on
+    Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 16 sequences a data-parallel rank in 2 micro-batches | ...
+    Rank 0 | pp 0 dp_replicate 0 dp_shard 0 tp 0 | stage 0: embed_tokens, layers.0, layers.1 | 111,232 of ...
     ...
-    Epoch 3 | Batchsize 128 | Steps 8 | Loss 0.169379
-    Epoch 3 | Snapshot saved at nd_parallel_checkpoints/epoch_000004
-    Summary: epochs 4 | steps 32 | final loss 0.169379 | samples/s 439.0 | wall 18.66s | world size 8 | backend gloo
+    Epoch 0 | step 50 | Loss 2.473313 per token
+    ...
+    Epoch 0 | Batchsize 16 | Steps 103 | Loss 2.206153 per token
+    Epoch 0 | Snapshot saved at nd_parallel_checkpoints/epoch_000001
+    Rank 0 | stage 0 | idle 61.0% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
+    ...
+    Summary: epochs 1 | steps 103 | final loss 2.206153 | tokens/s 3890.1 | wall 86.73s | world size 8 | ...
+    Sample: "The attribute is not ..."
 
-Batchsize is a data-parallel rank's part of the global batch. Checkpoints are keyed by the full model's names (DCP,
-with fsdp_checkpoint.py's complete marker): a run resumes from one of any layout, this script's, tensor_parallel.py's
-or pipeline_parallel.py's ("Resuming from nd_parallel_checkpoints/epoch_000004 at epoch 4, saved as pp 2 x
-dp_replicate 1 x dp_shard 2 x tp 2 on 8 processes"), and trains on as it would have with the same
---global_batch_size. With --dtype float64 the numbers are one process's but for the order of additions
-(tests/test_parallelism.py).
+Batchsize is a data-parallel rank's part of the global batch, in sequences. Checkpoints are keyed by the full
+model's names (DCP, with fsdp_checkpoint.py's complete marker): a run resumes from one of any layout, this
+script's, tensor_parallel.py's or pipeline_parallel.py's ("Resuming from nd_parallel_checkpoints/epoch_000001 at
+epoch 1, saved as pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 on 8 processes"), and trains on as it would have with
+the same --global_batch_size. --init_from_hf DIR starts from a Llama checkpoint in Hugging Face's format, and
+hf_checkpoint.py turns any of these checkpoints into one. With --dtype float64 the numbers are one process's but for
+the order of additions (tests/test_parallelism.py).
 """
 import argparse
+import copy
 import gc
+import json
 import os
 import socket
 import sys
@@ -43,124 +51,280 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import DataLoader
 
-from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler
-from models_and_data import BlockMLP, regression_dataset
+from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
+from models_and_data import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
 # Optimizer state flattened (one key per parameter): each stage saves and loads its own part of the model's state.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-DATASET_SIZE = 2048
+# The schedules torch ships. A rank runs one stage, or two: stage r and r + pp (looped), or r and 2pp - 1 - r (V).
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
+LOOPED, V_SHAPED = {"interleaved_1f1b", "interleaved_zb"}, {"zbv", "dualpipev"}
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the mesh's dimensions, outermost first
 
 
 class Trainer:
-    def __init__(self, model, stage, schedule, microbatches, dp, train_data, optimizer, save_every, snapshot_path,
-                 layout, dtype, device):
-        self.device, self.dtype = device, dtype
-        self.model = model  # this rank's stage, its blocks split over tp, all of it sharded over dp
-        self.stage, self.dp = stage, dp
+    def __init__(self, parts, train_data, optimizers, args, mesh):
+        self.device, self.dtype = device_of(mesh), getattr(torch, args.dtype)
+        self.parts = parts  # this rank's stages, each the decoder less what the stage does not own
+        self.optimizers = optimizers  # one a part: get_state_dict names an optimizer's parameters by one module
+        self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        pp = mesh["pp"].size()
+        indices = stage_indices(mesh["pp"].get_local_rank(), pp, args.schedule)
+        self.stages = [PipelineStage(part, index, pp * len(parts), self.device, group=mesh["pp"].get_group())
+                       for part, index in zip(parts, indices)]
         # scale_grads=False: the schedule adds the micro-batches' gradients as they are; the loss says what they mean.
-        self.schedule = schedule(stage, n_microbatches=microbatches, loss_fn=self.loss, scale_grads=False)
+        schedule = SCHEDULES[args.schedule]
+        self.schedule = schedule(self.stages if len(parts) > 1 else self.stages[0], n_microbatches=args.microbatches,
+                                 loss_fn=self.timed(self.loss), scale_grads=False)
+        self.first, self.last = indices[0] == 0, pp * len(parts) - 1 in indices
+        self.speaks = self.last and mesh["tp"].get_local_rank() == 0  # one rank of each data-parallel part
         self.train_data = train_data
-        self.optimizer = optimizer
-        self.save_every = save_every
         self.sampler = train_data.sampler
+        self.save_every, self.log_every = args.save_every, args.log_every
         self.position, self.steps_done = 0, 0
-        self.snapshot_path, self.layout = snapshot_path, layout
+        self.snapshot_path, self.layout, self.config = args.snapshot_path, layout_of(mesh), args.config
         self.epochs_run = 0
         self.rank = dist.get_rank()
-        self.checkpoints = CheckpointDir(snapshot_path, log=self.log)
+        self.busy, self.step_times = [0.0], []  # this rank's compute seconds; (busy, wall) of each step
+        self.bubble = bubble(args.schedule, pp, args.microbatches)
+        for stage in self.stages:  # what the schedule calls for each micro-batch
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self.timed(getattr(stage, name)))
+        self.checkpoints = CheckpointDir(self.snapshot_path, log=self.log)
         where, path = self.checkpoints.newest()  # complete checkpoints only
         if where:
             state = self.state()  # this rank's pieces: DCP reads them from whichever files hold them
             with self.checkpoints.loading(path, whole_model(state)):  # another model, a missing shard: one line
                 dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=STATE_OPTIONS)
+            self.set_state(state)
             self.sampler.check_snapshot(where, path)
             self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
             self.log(f"Resuming from {path} at epoch {self.epochs_run}, saved as {where.get('layout', '?')} on "
                      f"{where['world_size']} process{'es' * (where['world_size'] > 1)}")
+        elif args.init_from_hf:  # DCP reads the Hugging Face files straight into this rank's pieces
+            weights = {hf_name(key): value for key, value in self.state()["model"].items()}
+            dcp.load(weights, storage_reader=HuggingFaceStorageReader(args.init_from_hf),
+                     process_group=self.checkpoints.group)
+            self.log(f"Starting from {args.init_from_hf} (Hugging Face's format)")
 
     def log(self, text):
         if self.rank == 0:
-            print(text)
+            print(text, flush=True)
 
-    def loss(self, output, targets):
-        """The last stage's loss of one micro-batch. FSDP averages the data-parallel ranks' gradients: scaled by
-        dp / the step's size, the micro-batches' gradients add up to those of the mean over the step's samples."""
-        return F.mse_loss(output, targets, reduction="sum") * self.dp / self.sampler.global_batch
+    def timed(self, work):
+        """`work`, its seconds added to this rank's busy time (on a GPU, once its kernels have finished)."""
+        def run(*args, **kwargs):
+            self.synchronize()
+            start = time.perf_counter()
+            try:
+                return work(*args, **kwargs)
+            finally:
+                self.synchronize()
+                self.busy[0] += time.perf_counter() - start
+        return run
+
+    def synchronize(self):
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def loss(self, logits, targets):
+        """The last stage's loss of one micro-batch: its tokens' cross-entropy over the step's tokens, so that the
+        micro-batches' gradients add up to those of the step's mean (scale_grads=False: the schedule adds them as
+        they are). FSDP averages the data-parallel ranks' gradients: times dp, that is their sum. Under tensor
+        parallelism the logits stay split over the vocabulary (loss_parallel)."""
+        tokens = self.sampler.global_batch * targets.shape[1]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") * self.dp / tokens
 
     def where(self):
         return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
                 "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
-                "layout": self.layout}
+                "layout": self.layout, "model": vars(self.config)}
 
     def state(self):
         """This rank's model and optimizer state, keyed by the full model's parameter names."""
-        model, optimizer = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+        model, optimizer = {}, {}
+        for part, part_optimizer in zip(self.parts, self.optimizers):
+            part_model, part_optim = get_state_dict(part, part_optimizer, options=STATE_OPTIONS)
+            model.update(part_model)
+            optimizer.update(part_optim)
         return {"model": model, "optimizer": optimizer}
+
+    def set_state(self, state):
+        """Each part takes its own tensors; its optimizer keeps this run's settings (lr, betas), not the saved ones."""
+        for part, part_optimizer in zip(self.parts, self.optimizers):
+            own_model, own_optim = get_state_dict(part, part_optimizer, options=STATE_OPTIONS)
+            settings = [{k: v for k, v in group.items() if k != "params"} for group in part_optimizer.param_groups]
+            set_state_dict(part, part_optimizer, model_state_dict={k: state["model"][k] for k in own_model},
+                           optim_state_dict={k: state["optimizer"][k] for k in own_optim}, options=STATE_OPTIONS)
+            for group, setting in zip(part_optimizer.param_groups, settings):
+                group.update(setting)
 
     def _save(self):
         path = self.checkpoints.start(self.where())
         self.checkpoints.saving(dcp.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
 
     def _run_batch(self, source, targets):
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         losses = []  # the last stage's, one a micro-batch
+        self.synchronize()
+        busy, start = self.busy[0], time.perf_counter()
         # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both. TP's
-        # all-reduces run inside each stage's blocks, FSDP's gathers around them, its reduce-scatters at the end.
+        # collectives run inside each stage's layers, FSDP's gathers around them, its reduce-scatters at the end.
         # return_outputs=False: the last stage keeps no outputs, whose autograd graph would hold FSDP's hooks, and
         # through them the modules and the process groups, past destroy_process_group.
-        self.schedule.step(*[source] * self.stage.is_first, target=targets if self.stage.is_last else None,
-                           losses=losses if self.stage.is_last else None, return_outputs=False)
-        self.optimizer.step()  # on this rank's shards of this stage's pieces: no communication
-        return sum(losses, torch.zeros((), device=self.device, dtype=self.dtype)).detach()
+        with loss_parallel():  # the cross-entropy of logits split over the vocabulary, forward and backward
+            self.schedule.step(*[source] * self.first, target=targets if self.last else None,
+                               losses=losses if self.last else None, return_outputs=False)
+        self.synchronize()
+        self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
+        for optimizer in self.optimizers:
+            optimizer.step()  # on this rank's shards of its stages' pieces: no communication
+        loss = sum(losses, torch.zeros((), device=self.device, dtype=self.dtype))
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
-    def _run_epoch(self, epoch, speaks):
+    def _run_epoch(self, epoch):
         self.sampler.set_epoch(epoch, self.position)
         trained = self.sampler.size - self.position
         loss_sum = torch.zeros((), device=self.device, dtype=self.dtype)  # read once per epoch, not every step
         for source, targets in self.train_data:
             step_size = self.sampler.global_batch
-            source, targets = source.to(self.device, self.dtype), targets.to(self.device, self.dtype)
-            loss_sum += self._run_batch(source, targets) * step_size / self.dp  # this rank's squared errors
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss = self._run_batch(source, targets) * step_size / self.dp  # this part's mean loss a token, times
+            loss_sum += loss if self.speaks else 0 * loss  # the sequences: the ranks that speak for a part add theirs
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
-        # The squared errors of every data-parallel rank's part: the last stage's tp ranks 0 say them, the rest 0.
-        if not speaks:
-            loss_sum.zero_()
-        dist.all_reduce(loss_sum)
+            if self.log_every and self.steps_done % self.log_every == 0:
+                said = loss_sum.clone()
+                dist.all_reduce(said)
+                sequences = trained - (self.sampler.size - self.position)  # this epoch's, so far
+                self.log(f"Epoch {epoch} | step {self.steps_done} | Loss {said.item() / sequences:.6f} per token")
+        dist.all_reduce(loss_sum)  # the data-parallel parts' sums, to rank 0
         mean_loss = loss_sum.item() / trained
         steps = -(-self.sampler.size // self.sampler.global_batch)
         self.log(f"Epoch {epoch} | Batchsize {self.sampler.global_batch // self.dp} | Steps {steps} | "
-                 f"Loss {mean_loss:.6f}")
+                 f"Loss {mean_loss:.6f} per token")
         self.epochs_run, self.position = epoch + 1, 0
         return mean_loss
 
-    def train(self, max_epochs, speaks):
+    def idle_lines(self):
+        """Each rank's measured idle fraction of a step, beside the textbook bubble (a collective: every rank)."""
+        measured = self.step_times[1:] or self.step_times  # the first step also inferred the shapes
+        busy, wall = (sum(column) for column in zip(*measured))
+        idle = [None] * dist.get_world_size()
+        dist.all_gather_object(idle, (1 - busy / wall, [stage.stage_index for stage in self.stages]))
+        return "\n".join(f"Rank {r} | stage{'s' * (len(s) > 1)} {', '.join(map(str, s))} | idle {100 * f:.1f}% of a "
+                         f"step, measured | {self.bubble}" for r, (f, s) in enumerate(idle))
+
+    def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
             self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
                      f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
-            return
+            return None
         start, first_epoch, first_step = time.perf_counter(), self.epochs_run, self.steps_done
         for epoch in range(self.epochs_run, max_epochs):
-            loss = self._run_epoch(epoch, speaks)
+            loss = self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save()
             self.checkpoints.commit(wait=True)
         wall = time.perf_counter() - start
-        epochs = max_epochs - first_epoch
-        samples = epochs * self.sampler.size
-        self.log(f"Summary: epochs {epochs} | steps {self.steps_done - first_step} | final loss {loss:.6f} | "
-                 f"samples/s {samples / wall:.1f} | wall {wall:.2f}s | world size {dist.get_world_size()} | "
-                 f"backend {dist.get_backend()}")
+        self.log(self.idle_lines())
+        tokens = (max_epochs - first_epoch) * self.sampler.size * self.config.max_seq_len
+        self.log(f"Summary: epochs {max_epochs - first_epoch} | steps {self.steps_done - first_step} | final loss "
+                 f"{loss:.6f} | tokens/s {tokens / wall:.1f} | wall {wall:.2f}s | world size "
+                 f"{dist.get_world_size()} | backend {dist.get_backend()}")
+        return self.checkpoints.path(self.where())  # the last epoch's, saved above
+
+
+def device_of(mesh):
+    """This process's device: its GPU (set before the process group), or the CPU."""
+    return torch.device("cpu") if mesh.device_type == "cpu" else torch.accelerator.current_accelerator()
+
+
+def layout_of(mesh):
+    return " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names)
+
+
+def stage_indices(pp_rank, pp, schedule):
+    """The stages this rank runs, of pp (one a rank) or 2 pp (two a rank, looped or V-shaped)."""
+    if schedule in LOOPED:
+        return [pp_rank, pp_rank + pp]
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank]
+
+
+def bubble(schedule, p, m):
+    """The textbook idle fraction of a step, every stage's forward and backward taking the same time."""
+    if schedule in ("gpipe", "1f1b"):
+        return f"bubble (p-1)/(m+p-1) = {100 * (p - 1) / (m + p - 1):.1f}%, textbook"
+    if schedule == "interleaved_1f1b":  # v = 2 stages a rank: the fill and drain take half as long
+        return f"bubble (p-1)/(2m+p-1) = {100 * (p - 1) / (2 * m + p - 1):.1f}%, textbook"
+    return "bubble near 0 once the weight gradients fill it (W split from B), textbook"
+
+
+def build_stage(model, stage, stages):
+    """Drop, in place, what `stage` of `stages` does not own; returns the names of the parts it keeps."""
+    depth = len(model.layers)
+    first, end = depth * stage // stages, depth * (stage + 1) // stages
+    for i in range(depth):
+        if not first <= i < end:
+            model.layers[i] = None  # the slot stays: the kept layers keep their numbers, layers.2 stays layers.2
+    if stage > 0:
+        model.embed_tokens = None
+    if stage < stages - 1:
+        model.norm = model.lm_head = None
+    return (["embed_tokens"] * (stage == 0) + [f"layers.{i}" for i in range(first, end)]
+            + ["norm", "lm_head"] * (stage == stages - 1))
+
+
+def apply_tp(model, tp_mesh):
+    """Megatron's split with sequence parallelism (torchtitan's plan). In each layer q, k, v and the MLP's gate and
+    up projections are split by output columns (each rank: its heads, its hidden units), o_proj and down_proj by
+    input rows, their partial sums reduce-scattered over the sequence; the norms run on each rank's slice of the
+    sequence, all-gathered before attention and the MLP. The embedding is split over the vocabulary, and so are
+    the logits, which the loss takes as they are (loss_parallel)."""
+    ends = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    parallelize_module(model, tp_mesh, {name: style for name, style in ends.items() if getattr(model, name)})
+    for layer in filter(None, model.layers):
+        parallelize_module(layer, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def holdings(part, names, mesh, total):
+    """What this rank holds of one stage: its parts, its share of the parameters, and its piece of the stage's
+    first layer's q_proj.weight (split over tp, then sharded over dp)."""
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in part.parameters())
+    layer = next((i for i, layer in enumerate(part.layers) if layer is not None), None)
+    weight = part.layers[layer].self_attn.q_proj.weight if layer is not None else None
+    piece = (f" | layers.{layer}.self_attn.q_proj.weight {list(weight.to_local().shape)} of {list(weight.shape)}"
+             if isinstance(weight, DTensor) else "")
+    return f"{', '.join(names)} | {local:,} of {total:,} parameters{piece}"
 
 
 def whole_model(state):
@@ -178,55 +342,37 @@ def whole_model(state):
     return {key: torch.empty(shape, device="meta") for shapes in ranks for key, shape in shapes.items()}
 
 
-def build_stage(model, stage, stages):
-    """Drop, in place, what `stage` of `stages` does not own; returns the names of the parts it keeps."""
-    depth = len(model.blocks)
-    first, end = depth * stage // stages, depth * (stage + 1) // stages
-    for i in range(depth):
-        if not first <= i < end:
-            model.blocks[i] = None  # the slot stays: the kept blocks keep their numbers, blocks.2 stays blocks.2
-    if stage > 0:
-        model.inp = None
-    if stage < stages - 1:
-        model.norm = model.out = None
-    return ["inp"] * (stage == 0) + [f"blocks.{i}" for i in range(first, end)] + ["norm", "out"] * (stage == stages - 1)
-
-
-def holdings(model, parts, mesh, total):
-    """A line of where this rank sits on the mesh and what it holds: its stage's parts, its share of the
-    parameters, and its piece of its first block's fc1.weight (split over tp, then sharded over dp)."""
-    coordinates = " ".join(f"{name} {mesh[name].get_local_rank()}" for name in DIMS)
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    block = next(i for i, b in enumerate(model.blocks) if b is not None)
-    weight = model.blocks[block].fc1.weight
-    return (f"{coordinates} | {', '.join(parts)} | {local:,} of {total:,} parameters | blocks.{block}.fc1.weight "
-            f"{list(weight.to_local().shape)} of {list(weight.shape)}")
-
-
-def load_train_objs(args, mesh, dtype, device):
-    torch.manual_seed(args.seed)
-    train_set = regression_dataset(DATASET_SIZE, seed=args.seed)
-    # The whole model on every rank (same seed, same weights), then each keeps its part: fine at this size; a
-    # large model would be built on the meta device and each rank's shards initialized (fsdp.py).
-    model = BlockMLP(input_size=20, width=args.width, hidden=args.hidden, depth=args.depth).to(dtype)
+def load_train_objs(args, mesh):
+    text, about = read_text(args.data)
+    train_set, _ = text_splits(text, args.config.max_seq_len)
+    # The whole decoder on every rank (one seed, the same weights), then each keeps its stages: fine at this size;
+    # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
+    model = Decoder(args.config).init_weights(args.seed).to(getattr(torch, args.dtype))
     total = sum(p.numel() for p in model.parameters())
-    # 1. Pipeline: this rank's stage, under the full model's names.
-    stage_index = mesh["pp"].get_local_rank()
-    parts = build_stage(model, stage_index, args.pp)
-    model.to(device)
-    # 2. Tensor parallel over the tp group: fc1's output columns and fc2's input rows split, in every block kept.
-    for block in filter(None, model.blocks):
-        parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    # 3. FSDP2 over the data-parallel ranks: each block sharded on its own, then the rest; with HSDP, sharded over
-    # dp_shard and replicated over dp_replicate (a 2-D mesh: FSDP all-reduces the shards' gradients over the first).
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if args.dp_replicate > 1 else mesh["dp_shard"]
-    for block in filter(None, model.blocks):
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    # 4. The stage that sends activations to the next stage's ranks of the same dp and tp coordinates, and back.
-    stage = PipelineStage(model, stage_index, args.pp, device, group=mesh["pp"].get_group())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
-    return train_set, model, stage, optimizer, holdings(model, parts, mesh, total)
+    indices = stage_indices(mesh["pp"].get_local_rank(), mesh["pp"].size(), args.schedule)
+    parts, lines = [], []
+    for index in indices:
+        # 1. Pipeline: the stage, under the full model's names.
+        part = copy.deepcopy(model) if len(indices) > 1 else model
+        names = build_stage(part, index, mesh["pp"].size() * len(indices))
+        part.to(device_of(mesh))
+        # 2. Tensor parallel over the tp group: heads and hidden units split, norms over the sequence.
+        if mesh["tp"].size() > 1:
+            apply_tp(part, mesh["tp"])
+        # 3. FSDP2 over the data-parallel ranks: each layer sharded on its own, then the rest; with HSDP, sharded
+        # over dp_shard and replicated over dp_replicate (FSDP all-reduces the shards' gradients over the first).
+        # Under a pipeline, a layer's weights stay gathered from its forward to its backward (torchtitan's choice):
+        # resharded after each micro-batch's forward, they would be gathered again for every micro-batch.
+        if mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+            for layer in filter(None, part.layers):
+                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+            fully_shard(part, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+        parts.append(part)
+        lines.append(f"stage {index}: {holdings(part, names, mesh, total)}")
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                  for part in parts]
+    return train_set, about, parts, optimizers, " | ".join(lines)
 
 
 def main(args):
@@ -260,66 +406,83 @@ def main(args):
                                 world_size=world_size, timeout=timeout, device_id=device if accelerator else None)
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
-    sizes = dict(zip(DIMS, (args.pp, args.dp_replicate, args.dp // args.dp_replicate, args.tp)))
-    mesh = dist.device_mesh.init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=DIMS)
-    dtype = getattr(torch, args.dtype)
-    dataset, model, stage, optimizer, holds = load_train_objs(args, mesh, dtype, device)
-    layout = " x ".join(f"{name} {size}" for name, size in sizes.items())
+    sizes = (args.pp, args.dp_replicate, args.dp // args.dp_replicate, args.tp)
+    mesh = dist.device_mesh.init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
+    dataset, about, parts, optimizers, holds = load_train_objs(args, mesh)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, holds)
     m = args.microbatches
     if rank == 0:
-        print(f"Mesh {layout} | {args.global_batch_size // args.dp} samples a data-parallel rank in {m} "
-              f"micro-batch{'es' * (m > 1)} | global batch {args.global_batch_size} | "
-              f"schedule {SCHEDULES[args.schedule].__name__[8:]}")
+        print(f"Text: {about} | {len(dataset):,} sequences of {args.config.max_seq_len} bytes to train on")
+        print(f"Mesh {layout_of(mesh)} | {args.global_batch_size // args.dp} sequences a data-parallel rank in {m} "
+              f"micro-batch{'es' * (m > 1)} | global batch {args.global_batch_size} | schedule {args.schedule}")
         print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
     # Each step's global batch is cut into dp pieces: the ranks of one data-parallel coordinate (all their stages
     # and tp pieces) take the same piece.
-    dp_rank = mesh["dp_replicate"].get_local_rank() * sizes["dp_shard"] + mesh["dp_shard"].get_local_rank()
-    sampler = GlobalOrderSampler(len(dataset), dp_rank, args.dp, args.global_batch_size, seed=args.seed)
+    dp_rank = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_local_rank()  # torchtitan's way (private API)
+    size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: micro-batches of one shape
+    sampler = GlobalOrderSampler(size, dp_rank, args.dp, args.global_batch_size, seed=args.seed)
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
-    trainer = Trainer(model, stage, SCHEDULES[args.schedule], m, args.dp, train_data, optimizer, args.save_every,
-                      args.snapshot_path, layout, dtype, device)
-    trainer.train(args.total_epochs, speaks=stage.is_last and mesh["tp"].get_local_rank() == 0)
-    del trainer, model, stage, optimizer  # they hold the process group: free them, so destroy_process_group frees it
+    trainer = Trainer(parts, train_data, optimizers, args, mesh)
+    newest = trainer.train(args.total_epochs)
+    del trainer, parts, optimizers  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()  # FSDP2's modules sit in reference cycles (hooks hold FSDP's state, which holds the module)
     mesh._pg_registry.clear()  # DTensor's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
+    if rank == 0 and newest and args.sample:  # the whole decoder, read back from the checkpoint just saved
+        model = load_whole_model(Decoder(args.config), newest)
+        print(f"Sample: {json.dumps(sample(model, args.prompt, args.sample))}")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
-    parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
-    parser.add_argument("--total_epochs", "--epochs", type=int, help="epochs in all (default 50)")
-    parser.add_argument("--save_every", type=int, help="epochs between snapshots; the last is saved too (default 10)")
+    parser.add_argument("--total_epochs", "--epochs", type=int, default=1, help="passes over the text (default 1)")
+    parser.add_argument("--save_every", type=int, default=1, help="epochs between checkpoints; the last is saved too")
+    parser.add_argument("--log_every", type=int, default=25, help="steps between loss lines; 0: once an epoch")
     parser.add_argument("--dp", type=int, help="data-parallel ranks (default: the processes over tp x pp)")
     parser.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicas of the shards, of --dp (default 1)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each block split over them")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    parser.add_argument("--global_batch_size", type=int, default=256, help="samples per step over all ranks (default "
-                        f"256); it must divide the {DATASET_SIZE} samples, dp x --microbatches must divide it")
-    parser.add_argument("--microbatches", type=int, help="micro-batches a step (default: --pp)")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="default 1f1b")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each layer split over them")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline ranks (2 stages a rank: looped, V)")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="default 1f1b")
+    parser.add_argument("--microbatches", type=int, help="micro-batches a step (default: the stages)")
+    parser.add_argument("--global_batch_size", type=int, default=32, help="sequences per step over all ranks")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
+    parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
+                        "else Python's help text)")
     parser.add_argument("--snapshot_path", default="nd_parallel_checkpoints", help="the checkpoints' directory")
+    parser.add_argument("--init_from_hf", metavar="DIR", help="start from a Llama checkpoint in Hugging Face's format "
+                        "(config.json, *.safetensors); its config sets the model's sizes")
     parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                        help="of the weights and the data; float64 to compare with one process tightly")
-    parser.add_argument("--width", type=int, default=64, help="the blocks' width (default 64)")
-    parser.add_argument("--hidden", type=int, default=256, help="each block's hidden units, over tp (default 256)")
-    parser.add_argument("--depth", type=int, default=4, help="blocks, shared out among the stages (default 4)")
+                        help="of the weights; float64 to compare with one process tightly")
+    parser.add_argument("--sample", type=int, default=200, help="bytes to generate at the end (0: none)")
+    parser.add_argument("--prompt", default="The ", help="the sample's beginning")
+    defaults = DecoderConfig()
+    for name, help_ in (("dim", "the model's width"), ("n_layers", "layers"), ("n_heads", "attention heads"),
+                        ("n_kv_heads", "key/value heads"), ("hidden", "the MLP's width")):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{help_} (default "
+                            f"{getattr(defaults, name)})")
+    parser.add_argument("--seq_len", type=int, default=128, help="bytes a sequence (default 128)")
     args = parser.parse_args(argv)
-    args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
-    args.save_every = args.every_arg if args.save_every is None else args.save_every
-    args.microbatches = args.pp if args.microbatches is None else args.microbatches
-    sizes = (args.dp_replicate, args.tp, args.pp, args.microbatches, args.global_batch_size, args.width, args.hidden,
-             args.depth)
-    if min(args.total_epochs, args.save_every, args.timeout, *sizes) <= 0 or (args.dp is not None and args.dp <= 0):
-        parser.error("--total_epochs, --save_every, --timeout, the mesh's sizes, --microbatches, --global_batch_size, "
-                     "--width, --hidden and --depth must be positive")
+    args.config = DecoderConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                                n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq_len=args.seq_len)
+    if args.init_from_hf:
+        try:
+            with open(os.path.join(args.init_from_hf, "config.json")) as f:
+                args.config = DecoderConfig.from_hf(json.load(f))
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--init_from_hf {args.init_from_hf}: not a Llama checkpoint this decoder loads ({error})")
+        args.config.max_seq_len = args.seq_len
+    args.microbatches = args.microbatches or args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
+    c = args.config
+    sizes = (args.dp_replicate, args.tp, args.pp, args.microbatches, args.global_batch_size, c.dim, c.n_layers,
+             c.n_heads, c.n_kv_heads, c.hidden, c.max_seq_len)
+    if min(args.total_epochs, args.save_every, args.timeout, args.lr, *sizes) <= 0 or (args.dp or 1) <= 0:
+        parser.error("--total_epochs, --save_every, --timeout, --lr, the mesh's sizes, --microbatches, "
+                     "--global_batch_size and the model's sizes must be positive")
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     world_size = int(os.environ["WORLD_SIZE"])
@@ -330,19 +493,30 @@ def parse_args(argv=None):
                      "torchrun started (WORLD_SIZE)")
     if args.dp % args.dp_replicate:
         parser.error(f"--dp_replicate {args.dp_replicate} must divide --dp {args.dp}: dp = dp_replicate x dp_shard")
-    if args.hidden % args.tp:
-        parser.error(f"--tp {args.tp} does not divide --hidden {args.hidden}: each tp rank takes an equal share of "
-                     "every block's hidden units")
-    if args.pp > args.depth:
-        parser.error(f"--pp {args.pp} stages are more than the {args.depth} blocks (--depth)")
-    if DATASET_SIZE % args.global_batch_size or args.global_batch_size % (args.dp * args.microbatches):
+    check_model(parser, c, args.tp)
+    stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
+    if stages > c.n_layers:
+        parser.error(f"{stages} stages (--pp {args.pp}, schedule {args.schedule}) are more than the {c.n_layers} "
+                     "layers: each stage needs one")
+    if args.global_batch_size % (args.dp * args.microbatches):
         parser.error(f"--dp {args.dp} x --microbatches {args.microbatches} must divide --global_batch_size "
-                     f"{args.global_batch_size}, and it the {DATASET_SIZE} samples: every micro-batch has one shape, "
-                     "which the stages agree on")
-    if args.schedule == "1f1b" and args.microbatches < args.pp:
-        parser.error(f"1F1B needs at least one micro-batch a stage: --microbatches {args.microbatches} < --pp "
-                     f"{args.pp}")
+                     f"{args.global_batch_size}: every micro-batch has one shape, which the stages agree on")
+    if args.schedule in ("1f1b", "interleaved_1f1b") and args.microbatches < args.pp:
+        parser.error(f"{args.schedule} needs at least one micro-batch a rank: --microbatches {args.microbatches} < "
+                     f"--pp {args.pp}")
     return args
+
+
+def check_model(parser, c, tp):
+    """The model's sizes against its split: one line for any that does not divide."""
+    if c.dim % c.n_heads or c.n_heads % c.n_kv_heads or (c.dim // c.n_heads) % 2:
+        parser.error(f"--n_heads {c.n_heads} must divide --dim {c.dim} into heads of an even size, and --n_kv_heads "
+                     f"{c.n_kv_heads} must divide --n_heads")
+    for name, size in (("--n_heads", c.n_heads), ("--n_kv_heads", c.n_kv_heads), ("--hidden", c.hidden),
+                       ("the vocabulary", c.vocab_size), ("--seq_len", c.max_seq_len)):
+        if size % tp:
+            parser.error(f"--tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
+                         "the MLP's units and the vocabulary, and an equal slice of the sequence")
 
 
 def group_store(rank, world_size, timeout):

@@ -1,39 +1,45 @@
-"""Step 7: pipeline parallelism gives each rank some of the blocks (a stage); micro-batches flow through the stages.
+"""Step 7: pipeline parallelism gives each rank some of the decoder's layers (a stage); micro-batches flow through them.
 
-    torchrun --standalone --nproc_per_node=2 pipeline_parallel.py 20 5                  # 2 stages, GPUs or CPU
-    torchrun --standalone --nproc_per_node=4 pipeline_parallel.py --schedule gpipe --microbatches 8 --dtype float64
+    torchrun --standalone --nproc_per_node=2 pipeline_parallel.py                                      # 2 stages
+    torchrun --standalone --nproc_per_node=4 pipeline_parallel.py --schedule gpipe --microbatches 8
+    torchrun --standalone --nproc_per_node=2 pipeline_parallel.py --schedule zbv                       # 2 stages a rank
 
-Every rank builds models_and_data.BlockMLP and drops (sets to None) what its stage does not own, as torchtitan
-does: stage s keeps blocks depth*s//pp to depth*(s+1)//pp - 1, the first stage also inp, the last norm and out, all
-under the full model's names. torch.distributed.pipelining runs a step: each global batch is cut into
+Every rank builds models_and_data.Decoder and drops (sets to None) what its stages do not own, as torchtitan
+does: stage s of S keeps layers n*s//S to n*(s+1)//S - 1, the first stage also embed_tokens, the last norm and
+lm_head, all under the full model's names. torch.distributed.pipelining runs a step: each global batch is cut into
 --microbatches; a stage receives a micro-batch's activations from the one before (send/recv), sends its output on,
 and the gradients come back the same way. GPipe runs every forward, then every backward; 1F1B alternates one of
-each once the pipeline is full, so that fewer micro-batches' activations wait in memory. Either way a stage waits
+each once the pipeline is full, so that fewer micro-batches' activations wait in memory. Either way a rank waits
 while the pipeline fills and drains: the bubble, (p-1)/(m+p-1) of a step for p stages and m micro-batches, if
-every stage took the same time. It prints:
+every stage took the same time. The looped schedules give each rank two stages (r and r + p: interleaved 1F1B
+fills the pipeline in half the time), the V-shaped ones stages r and 2p-1-r; the zero-bubble ones (interleaved_zb,
+zbv, dualpipev) split each backward into the input's gradient, which the stage before waits for, and the weights',
+which fills the bubble. It prints:
 
     Training on 2 processes | device cpu | backend gloo
-    Mesh pp 2 | schedule 1F1B | 4 micro-batches of 64 | global batch 256
-    Stage 0 (rank 0) holds inp, blocks.0, blocks.1: 67,776 of 134,401 parameters
-    Stage 1 (rank 1) holds blocks.2, blocks.3, norm, out: 66,625 of 134,401 parameters
-    Epoch 0 | Batchsize 256 | Steps 8 | Loss 1.031492
+    Text: Python's help text (pydoc_data), 465,048 characters; ... | 3,277 sequences of 128 bytes to train on
+    Mesh pp 2 | 32 sequences in 2 micro-batches | global batch 32 | schedule 1f1b
+    Rank 0 | stage 0: embed_tokens, layers.0, layers.1 | 426,240 of 853,120 parameters
+    Rank 1 | stage 1: layers.2, layers.3, norm, lm_head | 426,880 of 853,120 parameters
+    Epoch 0 | step 25 | Loss 2.924620 per token
     ...
-    Epoch 4 | Snapshot saved at pipeline_parallel_checkpoints/epoch_000005
-    ...
-    Stage 0 | idle 84.2% of a step, measured | bubble (p-1)/(m+p-1) = 20.0%, textbook
-    Stage 1 | idle 82.7% of a step, measured | bubble (p-1)/(m+p-1) = 20.0%, textbook
-    Summary: epochs 20 | steps 160 | final loss 0.086533 | samples/s 2947.3 | wall 13.90s | world size 2 | backend gloo
+    Epoch 0 | Snapshot saved at pipeline_parallel_checkpoints/epoch_000001
+    Rank 0 | stage 0 | idle 39.0% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
+    Rank 1 | stage 1 | idle 35.5% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
+    Summary: epochs 1 | steps 102 | final loss 2.206153 | tokens/s 4212.4 | wall 99.23s | world size 2 | ...
+    Sample: "The attribute is not ..."
 
-Idle is measured per stage: 1 - (time in its forward, backward and loss) / (time of the step), over the run's
-steps but the first (which also infers the shapes sent between stages). At this size a micro-batch's compute is
-shorter than a send over gloo, so the stages mostly wait for messages; with --hidden 4096 the compute dominates and
-the measure nears the textbook (37.5% and 37.9% on 2 busy cores). On a CPU with fewer cores than processes the
-stages also wait for a core. A second run resumes ("Resuming from pipeline_parallel_checkpoints/epoch_000020 at
-epoch 20, saved as pp 2 on 2 processes"). Checkpoints: each stage writes its own parameters under their full names,
-so any layout of tensor_parallel.py, this script or nd_parallel.py resumes from them.
+Idle is measured per rank: 1 - (time in its stages' forward, backward and loss) / (time of the step), over the
+run's steps but the first (which also infers the shapes sent between stages). On a CPU with fewer cores than
+processes the stages also wait for a core. A second run resumes ("Resuming from
+pipeline_parallel_checkpoints/epoch_000001 at epoch 1, saved as pp 2 on 2 processes"). Checkpoints: each stage
+writes its own parameters under their full names, so any layout of tensor_parallel.py, this script or
+nd_parallel.py resumes from them; --init_from_hf DIR starts from a Llama checkpoint in Hugging Face's format.
 """
 import argparse
+import copy
 import gc
+import json
 import os
 import socket
 import sys
@@ -45,57 +51,74 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
 from torch.utils.data import DataLoader
 
-from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler
-from models_and_data import BlockMLP, regression_dataset
+from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
+from models_and_data import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
 # Optimizer state flattened (one key per parameter): each stage saves and loads its own part of the model's state.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-DATASET_SIZE = 2048
+# The schedules torch ships. A rank runs one stage, or two: stage r and r + pp (looped), or r and 2pp - 1 - r (V).
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
+LOOPED, V_SHAPED = {"interleaved_1f1b", "interleaved_zb"}, {"zbv", "dualpipev"}
 
 
 class Trainer:
-    def __init__(self, model, stage, schedule, microbatches, train_data, optimizer, save_every, snapshot_path,
-                 layout, dtype, device):
-        self.device, self.dtype = device, dtype
-        self.model = model  # this stage's part of the model, under the full model's names
-        self.stage, self.microbatches = stage, microbatches
+    def __init__(self, parts, train_data, optimizers, args, mesh):
+        self.device, self.dtype = device_of(mesh), getattr(torch, args.dtype)
+        self.parts = parts  # this rank's stages, each the decoder less what the stage does not own
+        self.optimizers = optimizers  # one a part: get_state_dict names an optimizer's parameters by one module
+        pp = mesh["pp"].size()
+        indices = stage_indices(mesh["pp"].get_local_rank(), pp, args.schedule)
+        self.stages = [PipelineStage(part, index, pp * len(parts), self.device, group=mesh["pp"].get_group())
+                       for part, index in zip(parts, indices)]
         # scale_grads=False: the schedule adds the micro-batches' gradients as they are; the loss says what they mean.
-        self.schedule = schedule(stage, n_microbatches=microbatches, loss_fn=self.timed(self.loss), scale_grads=False)
+        schedule = SCHEDULES[args.schedule]
+        self.schedule = schedule(self.stages if len(parts) > 1 else self.stages[0], n_microbatches=args.microbatches,
+                                 loss_fn=self.timed(self.loss), scale_grads=False)
+        self.first, self.last = indices[0] == 0, pp * len(parts) - 1 in indices
         self.train_data = train_data
-        self.optimizer = optimizer
-        self.save_every = save_every
         self.sampler = train_data.sampler
+        self.save_every, self.log_every = args.save_every, args.log_every
         self.position, self.steps_done = 0, 0
-        self.snapshot_path, self.layout = snapshot_path, layout
+        self.snapshot_path, self.layout, self.config = args.snapshot_path, layout_of(mesh), args.config
         self.epochs_run = 0
         self.rank = dist.get_rank()
-        self.busy, self.step_times = [0.0], []  # this stage's compute seconds; (busy, wall) of each step
-        for name in ("forward_one_chunk", "backward_one_chunk"):  # what the schedule calls for each micro-batch
-            setattr(stage, name, self.timed(getattr(stage, name)))
-        self.checkpoints = CheckpointDir(snapshot_path, log=self.log)
+        self.busy, self.step_times = [0.0], []  # this rank's compute seconds; (busy, wall) of each step
+        self.bubble = bubble(args.schedule, pp, args.microbatches)
+        for stage in self.stages:  # what the schedule calls for each micro-batch
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self.timed(getattr(stage, name)))
+        self.checkpoints = CheckpointDir(self.snapshot_path, log=self.log)
         where, path = self.checkpoints.newest()  # complete checkpoints only
         if where:
-            state = self.state()  # this stage's tensors: DCP reads them from whichever files hold them
+            state = self.state()  # this rank's pieces: DCP reads them from whichever files hold them
             with self.checkpoints.loading(path, whole_model(state)):  # another model, a missing shard: one line
                 dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=STATE_OPTIONS)
+            self.set_state(state)
             self.sampler.check_snapshot(where, path)
             self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
             self.log(f"Resuming from {path} at epoch {self.epochs_run}, saved as {where.get('layout', '?')} on "
                      f"{where['world_size']} process{'es' * (where['world_size'] > 1)}")
+        elif args.init_from_hf:  # DCP reads the Hugging Face files straight into this rank's pieces
+            weights = {hf_name(key): value for key, value in self.state()["model"].items()}
+            dcp.load(weights, storage_reader=HuggingFaceStorageReader(args.init_from_hf),
+                     process_group=self.checkpoints.group)
+            self.log(f"Starting from {args.init_from_hf} (Hugging Face's format)")
 
     def log(self, text):
         if self.rank == 0:
-            print(text)
+            print(text, flush=True)
 
     def timed(self, work):
-        """`work`, its seconds added to this stage's busy time (on a GPU, once its kernels have finished)."""
+        """`work`, its seconds added to this rank's busy time (on a GPU, once its kernels have finished)."""
         def run(*args, **kwargs):
             self.synchronize()
             start = time.perf_counter()
@@ -110,37 +133,55 @@ class Trainer:
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 
-    def loss(self, output, targets):
-        """The last stage's loss of one micro-batch: its squared errors over the step's size, so that the micro-batches'
-        gradients add up to those of the step's mean (scale_grads=False: the schedule adds them as they are)."""
-        return F.mse_loss(output, targets, reduction="sum") / self.sampler.global_batch
+    def loss(self, logits, targets):
+        """The last stage's loss of one micro-batch: its tokens' cross-entropy over the step's tokens, so that the
+        micro-batches' gradients add up to those of the step's mean (scale_grads=False: the schedule adds them as
+        they are)."""
+        tokens = self.sampler.global_batch * targets.shape[1]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens
 
     def where(self):
         return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
                 "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
-                "layout": self.layout}
+                "layout": self.layout, "model": vars(self.config)}
 
     def state(self):
-        """This stage's model and optimizer state, keyed by the full model's parameter names."""
-        model, optimizer = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+        """This rank's model and optimizer state, keyed by the full model's parameter names."""
+        model, optimizer = {}, {}
+        for part, part_optimizer in zip(self.parts, self.optimizers):
+            part_model, part_optim = get_state_dict(part, part_optimizer, options=STATE_OPTIONS)
+            model.update(part_model)
+            optimizer.update(part_optim)
         return {"model": model, "optimizer": optimizer}
+
+    def set_state(self, state):
+        """Each part takes its own tensors; its optimizer keeps this run's settings (lr, betas), not the saved ones."""
+        for part, part_optimizer in zip(self.parts, self.optimizers):
+            own_model, own_optim = get_state_dict(part, part_optimizer, options=STATE_OPTIONS)
+            settings = [{k: v for k, v in group.items() if k != "params"} for group in part_optimizer.param_groups]
+            set_state_dict(part, part_optimizer, model_state_dict={k: state["model"][k] for k in own_model},
+                           optim_state_dict={k: state["optimizer"][k] for k in own_optim}, options=STATE_OPTIONS)
+            for group, setting in zip(part_optimizer.param_groups, settings):
+                group.update(setting)
 
     def _save(self):
         path = self.checkpoints.start(self.where())
         self.checkpoints.saving(dcp.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
 
     def _run_batch(self, source, targets):
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         losses = []  # the last stage's, one a micro-batch
         self.synchronize()
         busy, start = self.busy[0], time.perf_counter()
         # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both.
         # return_outputs=False: the last stage keeps no outputs (and their autograd graph) after the step.
-        self.schedule.step(*[source] * self.stage.is_first, target=targets if self.stage.is_last else None,
-                           losses=losses if self.stage.is_last else None, return_outputs=False)
+        self.schedule.step(*[source] * self.first, target=targets if self.last else None,
+                           losses=losses if self.last else None, return_outputs=False)
         self.synchronize()
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
-        self.optimizer.step()  # each stage steps its own parameters: no communication
+        for optimizer in self.optimizers:
+            optimizer.step()  # each stage steps its own parameters: no communication
         return sum(losses, torch.zeros((), device=self.device, dtype=self.dtype)).detach()
 
     def _run_epoch(self, epoch):
@@ -148,32 +189,37 @@ class Trainer:
         trained = self.sampler.size - self.position
         loss_sum = torch.zeros((), device=self.device, dtype=self.dtype)  # read once per epoch, not every step
         for source, targets in self.train_data:
-            step_size = len(source)
-            source, targets = source.to(self.device, self.dtype), targets.to(self.device, self.dtype)
-            loss_sum += self._run_batch(source, targets) * step_size  # the step's squared errors (last stage)
+            step_size = self.sampler.global_batch
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss_sum += self._run_batch(source, targets) * step_size  # the mean loss a token, times the sequences
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
-        dist.all_reduce(loss_sum)  # the last stage's, to rank 0 (the other stages add zero)
+            if self.log_every and self.steps_done % self.log_every == 0:
+                said = loss_sum.clone()
+                dist.all_reduce(said)
+                sequences = trained - (self.sampler.size - self.position)  # this epoch's, so far
+                self.log(f"Epoch {epoch} | step {self.steps_done} | Loss {said.item() / sequences:.6f} per token")
+        dist.all_reduce(loss_sum)  # the last stage's, to rank 0 (the others add zero)
         mean_loss = loss_sum.item() / trained
         steps = -(-self.sampler.size // self.sampler.global_batch)
-        self.log(f"Epoch {epoch} | Batchsize {self.sampler.global_batch} | Steps {steps} | Loss {mean_loss:.6f}")
+        self.log(f"Epoch {epoch} | Batchsize {self.sampler.global_batch} | Steps {steps} | "
+                 f"Loss {mean_loss:.6f} per token")
         self.epochs_run, self.position = epoch + 1, 0
         return mean_loss
 
     def idle_lines(self):
-        """Each stage's measured idle fraction of a step, beside the textbook bubble (a collective: every rank)."""
+        """Each rank's measured idle fraction of a step, beside the textbook bubble (a collective: every rank)."""
         measured = self.step_times[1:] or self.step_times  # the first step also inferred the shapes
         busy, wall = (sum(column) for column in zip(*measured))
         idle = [None] * dist.get_world_size()
-        dist.all_gather_object(idle, 1 - busy / wall)
-        p, m = dist.get_world_size(), self.microbatches
-        return "\n".join(f"Stage {s} | idle {100 * fraction:.1f}% of a step, measured | bubble (p-1)/(m+p-1) = "
-                         f"{100 * (p - 1) / (m + p - 1):.1f}%, textbook" for s, fraction in enumerate(idle))
+        dist.all_gather_object(idle, (1 - busy / wall, [stage.stage_index for stage in self.stages]))
+        return "\n".join(f"Rank {r} | stage{'s' * (len(s) > 1)} {', '.join(map(str, s))} | idle {100 * f:.1f}% of a "
+                         f"step, measured | {self.bubble}" for r, (f, s) in enumerate(idle))
 
     def train(self, max_epochs):
         if self.epochs_run >= max_epochs:
             self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
                      f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
-            return
+            return None
         start, first_epoch, first_step = time.perf_counter(), self.epochs_run, self.steps_done
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
@@ -182,11 +228,58 @@ class Trainer:
             self.checkpoints.commit(wait=True)
         wall = time.perf_counter() - start
         self.log(self.idle_lines())
-        epochs = max_epochs - first_epoch
-        samples = epochs * self.sampler.size
-        self.log(f"Summary: epochs {epochs} | steps {self.steps_done - first_step} | final loss {loss:.6f} | "
-                 f"samples/s {samples / wall:.1f} | wall {wall:.2f}s | world size {dist.get_world_size()} | "
-                 f"backend {dist.get_backend()}")
+        tokens = (max_epochs - first_epoch) * self.sampler.size * self.config.max_seq_len
+        self.log(f"Summary: epochs {max_epochs - first_epoch} | steps {self.steps_done - first_step} | final loss "
+                 f"{loss:.6f} | tokens/s {tokens / wall:.1f} | wall {wall:.2f}s | world size "
+                 f"{dist.get_world_size()} | backend {dist.get_backend()}")
+        return self.checkpoints.path(self.where())  # the last epoch's, saved above
+
+
+def device_of(mesh):
+    """This process's device: its GPU (set before the process group), or the CPU."""
+    return torch.device("cpu") if mesh.device_type == "cpu" else torch.accelerator.current_accelerator()
+
+
+def layout_of(mesh):
+    return " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names)
+
+
+def stage_indices(pp_rank, pp, schedule):
+    """The stages this rank runs, of pp (one a rank) or 2 pp (two a rank, looped or V-shaped)."""
+    if schedule in LOOPED:
+        return [pp_rank, pp_rank + pp]
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank]
+
+
+def bubble(schedule, p, m):
+    """The textbook idle fraction of a step, every stage's forward and backward taking the same time."""
+    if schedule in ("gpipe", "1f1b"):
+        return f"bubble (p-1)/(m+p-1) = {100 * (p - 1) / (m + p - 1):.1f}%, textbook"
+    if schedule == "interleaved_1f1b":  # v = 2 stages a rank: the fill and drain take half as long
+        return f"bubble (p-1)/(2m+p-1) = {100 * (p - 1) / (2 * m + p - 1):.1f}%, textbook"
+    return "bubble near 0 once the weight gradients fill it (W split from B), textbook"
+
+
+def build_stage(model, stage, stages):
+    """Drop, in place, what `stage` of `stages` does not own; returns the names of the parts it keeps."""
+    depth = len(model.layers)
+    first, end = depth * stage // stages, depth * (stage + 1) // stages
+    for i in range(depth):
+        if not first <= i < end:
+            model.layers[i] = None  # the slot stays: the kept layers keep their numbers, layers.2 stays layers.2
+    if stage > 0:
+        model.embed_tokens = None
+    if stage < stages - 1:
+        model.norm = model.lm_head = None
+    return (["embed_tokens"] * (stage == 0) + [f"layers.{i}" for i in range(first, end)]
+            + ["norm", "lm_head"] * (stage == stages - 1))
+
+
+def holdings(part, names, total):
+    """What this rank holds of one stage: its parts and its share of the parameters."""
+    return f"{', '.join(names)} | {sum(p.numel() for p in part.parameters()):,} of {total:,} parameters"
 
 
 def whole_model(state):
@@ -199,37 +292,30 @@ def whole_model(state):
         elif isinstance(value, torch.Tensor):
             yield prefix, tuple(value.shape)
 
-    stages = [None] * dist.get_world_size()
-    dist.all_gather_object(stages, dict(flat(state)))
-    return {key: torch.empty(shape, device="meta") for shapes in stages for key, shape in shapes.items()}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dict(flat(state)))
+    return {key: torch.empty(shape, device="meta") for shapes in ranks for key, shape in shapes.items()}
 
 
-def build_stage(model, stage, stages):
-    """Drop, in place, what `stage` of `stages` does not own; returns the names of the parts it keeps."""
-    depth = len(model.blocks)
-    first, end = depth * stage // stages, depth * (stage + 1) // stages
-    for i in range(depth):
-        if not first <= i < end:
-            model.blocks[i] = None  # the slot stays: the kept blocks keep their numbers, blocks.2 stays blocks.2
-    if stage > 0:
-        model.inp = None
-    if stage < stages - 1:
-        model.norm = model.out = None
-    return ["inp"] * (stage == 0) + [f"blocks.{i}" for i in range(first, end)] + ["norm", "out"] * (stage == stages - 1)
-
-
-def load_train_objs(args, mesh, dtype, device):
-    torch.manual_seed(args.seed)
-    train_set = regression_dataset(DATASET_SIZE, seed=args.seed)
-    # The whole model on every rank (same seed, same weights), then each keeps its stage: fine at this size; a
-    # large model would be built on the meta device and each stage's part initialized.
-    model = BlockMLP(input_size=20, width=args.width, hidden=args.hidden, depth=args.depth).to(dtype)
-    stage_index, stages = mesh.get_local_rank(), mesh.size()
-    parts = build_stage(model, stage_index, stages)
-    model.to(device)
-    stage = PipelineStage(model, stage_index, stages, device, group=mesh.get_group())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
-    return train_set, model, stage, optimizer, parts
+def load_train_objs(args, mesh):
+    text, about = read_text(args.data)
+    train_set, _ = text_splits(text, args.config.max_seq_len)
+    # The whole decoder on every rank (one seed, the same weights), then each keeps its stages: fine at this size;
+    # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
+    model = Decoder(args.config).init_weights(args.seed).to(getattr(torch, args.dtype))
+    total = sum(p.numel() for p in model.parameters())
+    indices = stage_indices(mesh["pp"].get_local_rank(), mesh["pp"].size(), args.schedule)
+    parts, lines = [], []
+    for index in indices:
+        # The stage, under the full model's names.
+        part = copy.deepcopy(model) if len(indices) > 1 else model
+        names = build_stage(part, index, mesh["pp"].size() * len(indices))
+        part.to(device_of(mesh))
+        parts.append(part)
+        lines.append(f"stage {index}: {holdings(part, names, total)}")
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                  for part in parts]
+    return train_set, about, parts, optimizers, " | ".join(lines)
 
 
 def main(args):
@@ -264,70 +350,101 @@ def main(args):
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,), mesh_dim_names=("pp",))
-    dtype = getattr(torch, args.dtype)
-    dataset, model, stage, optimizer, parts = load_train_objs(args, mesh, dtype, device)
-    layout = f"pp {world_size}"
+    dataset, about, parts, optimizers, holds = load_train_objs(args, mesh)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, holds)
     m = args.microbatches
-    # Every stage takes every step's whole batch; the first feeds it in, the last compares with its targets.
-    sampler = GlobalOrderSampler(len(dataset), 0, 1, args.global_batch_size, seed=args.seed)
-    train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
-    held = sum(p.numel() for p in model.parameters())
-    total = sum(p.numel() for p in BlockMLP(input_size=20, width=args.width, hidden=args.hidden,
-                                            depth=args.depth).parameters())
-    holds = [None] * world_size
-    dist.all_gather_object(holds, f"holds {', '.join(parts)}: {held:,} of {total:,} parameters")
     if rank == 0:
-        print(f"Mesh {layout} | schedule {SCHEDULES[args.schedule].__name__[8:]} | {m} micro-batches of "
-              f"{args.global_batch_size // m} | global batch {args.global_batch_size}")
-        print("\n".join(f"Stage {s} (rank {s}) {line}" for s, line in enumerate(holds)))
-    trainer = Trainer(model, stage, SCHEDULES[args.schedule], m, train_data, optimizer, args.save_every,
-                      args.snapshot_path, layout, dtype, device)
-    trainer.train(args.total_epochs)
-    del trainer, model, stage, optimizer  # they hold the process group: free them, so destroy_process_group frees it
+        print(f"Text: {about} | {len(dataset):,} sequences of {args.config.max_seq_len} bytes to train on")
+        print(f"Mesh {layout_of(mesh)} | {args.global_batch_size} sequences in {m} "
+              f"micro-batch{'es' * (m > 1)} | global batch {args.global_batch_size} | schedule {args.schedule}")
+        print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
+    # Every stage takes every step's whole batch; the first feeds it in, the last compares with its targets.
+    size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: micro-batches of one shape
+    sampler = GlobalOrderSampler(size, 0, 1, args.global_batch_size, seed=args.seed)
+    train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
+    trainer = Trainer(parts, train_data, optimizers, args, mesh)
+    newest = trainer.train(args.total_epochs)
+    del trainer, parts, optimizers  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()
-    mesh._pg_registry.clear()  # DTensor's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
+    if rank == 0 and newest and args.sample:  # the whole decoder, read back from the checkpoint just saved
+        model = load_whole_model(Decoder(args.config), newest)
+        print(f"Sample: {json.dumps(sample(model, args.prompt, args.sample))}")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
-    parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
-    parser.add_argument("--total_epochs", "--epochs", type=int, help="epochs in all (default 50)")
-    parser.add_argument("--save_every", type=int, help="epochs between snapshots; the last is saved too (default 10)")
-    parser.add_argument("--global_batch_size", type=int, default=256, help="samples per step (default 256); it must "
-                        f"divide the {DATASET_SIZE} samples and --microbatches must divide it")
-    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches a step (default 4)")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="default 1f1b")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
+    parser.add_argument("--total_epochs", "--epochs", type=int, default=1, help="passes over the text (default 1)")
+    parser.add_argument("--save_every", type=int, default=1, help="epochs between checkpoints; the last is saved too")
+    parser.add_argument("--log_every", type=int, default=25, help="steps between loss lines; 0: once an epoch")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="default 1f1b")
+    parser.add_argument("--microbatches", type=int, help="micro-batches a step (default: the stages)")
+    parser.add_argument("--global_batch_size", type=int, default=32, help="sequences per step over all ranks")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
+    parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
+                        "else Python's help text)")
     parser.add_argument("--snapshot_path", default="pipeline_parallel_checkpoints", help="the checkpoints' directory")
+    parser.add_argument("--init_from_hf", metavar="DIR", help="start from a Llama checkpoint in Hugging Face's format "
+                        "(config.json, *.safetensors); its config sets the model's sizes")
     parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                        help="of the weights and the data; float64 to compare with one process tightly")
-    parser.add_argument("--width", type=int, default=64, help="the blocks' width (default 64)")
-    parser.add_argument("--hidden", type=int, default=256, help="each block's hidden units (default 256)")
-    parser.add_argument("--depth", type=int, default=4, help="blocks, shared out among the stages (default 4)")
+                        help="of the weights; float64 to compare with one process tightly")
+    parser.add_argument("--sample", type=int, default=200, help="bytes to generate at the end (0: none)")
+    parser.add_argument("--prompt", default="The ", help="the sample's beginning")
+    defaults = DecoderConfig()
+    for name, help_ in (("dim", "the model's width"), ("n_layers", "layers"), ("n_heads", "attention heads"),
+                        ("n_kv_heads", "key/value heads"), ("hidden", "the MLP's width")):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{help_} (default "
+                            f"{getattr(defaults, name)})")
+    parser.add_argument("--seq_len", type=int, default=128, help="bytes a sequence (default 128)")
     args = parser.parse_args(argv)
-    args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
-    args.save_every = args.every_arg if args.save_every is None else args.save_every
-    if min(args.total_epochs, args.save_every, args.global_batch_size, args.microbatches, args.timeout) <= 0:
-        parser.error("--total_epochs, --save_every, --global_batch_size, --microbatches and --timeout must be positive")
-    if min(args.width, args.hidden, args.depth) <= 0:
-        parser.error("--width, --hidden and --depth must be positive")
+    args.config = DecoderConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                                n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq_len=args.seq_len)
+    if args.init_from_hf:
+        try:
+            with open(os.path.join(args.init_from_hf, "config.json")) as f:
+                args.config = DecoderConfig.from_hf(json.load(f))
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--init_from_hf {args.init_from_hf}: not a Llama checkpoint this decoder loads ({error})")
+        args.config.max_seq_len = args.seq_len
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
-    stages = int(os.environ["WORLD_SIZE"])
-    if stages > args.depth:
-        parser.error(f"{stages} processes make {stages} stages, more than the {args.depth} blocks (--depth)")
-    if DATASET_SIZE % args.global_batch_size or args.global_batch_size % args.microbatches:
-        parser.error(f"--microbatches {args.microbatches} must divide --global_batch_size {args.global_batch_size}, "
-                     f"and it the {DATASET_SIZE} samples: every micro-batch has one shape, which the stages agree on")
-    if args.schedule == "1f1b" and args.microbatches < stages:
-        parser.error(f"1F1B needs at least one micro-batch a stage: --microbatches {args.microbatches} < "
-                     f"{stages} stages")
+    args.pp = int(os.environ["WORLD_SIZE"])
+    args.microbatches = args.microbatches or args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
+    c = args.config
+    sizes = (args.microbatches, args.global_batch_size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden,
+             c.max_seq_len)
+    if min(args.total_epochs, args.save_every, args.timeout, args.lr, *sizes) <= 0:
+        parser.error("--total_epochs, --save_every, --timeout, --lr, --microbatches, --global_batch_size and the "
+                     "model's sizes must be positive")
+    check_model(parser, c, 1)
+    stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
+    if stages > c.n_layers:
+        parser.error(f"{stages} stages ({args.pp} processes, schedule {args.schedule}) are more than the {c.n_layers} "
+                     "layers: each stage needs one")
+    if args.global_batch_size % args.microbatches:
+        parser.error(f"--microbatches {args.microbatches} must divide --global_batch_size "
+                     f"{args.global_batch_size}: every micro-batch has one shape, which the stages agree on")
+    if args.schedule in ("1f1b", "interleaved_1f1b") and args.microbatches < args.pp:
+        parser.error(f"{args.schedule} needs at least one micro-batch a rank: --microbatches {args.microbatches} < "
+                     f"{args.pp} processes")
     return args
+
+
+def check_model(parser, c, tp):
+    """The model's sizes against its split: one line for any that does not divide."""
+    if c.dim % c.n_heads or c.n_heads % c.n_kv_heads or (c.dim // c.n_heads) % 2:
+        parser.error(f"--n_heads {c.n_heads} must divide --dim {c.dim} into heads of an even size, and --n_kv_heads "
+                     f"{c.n_kv_heads} must divide --n_heads")
+    for name, size in (("--n_heads", c.n_heads), ("--n_kv_heads", c.n_kv_heads), ("--hidden", c.hidden),
+                       ("the vocabulary", c.vocab_size), ("--seq_len", c.max_seq_len)):
+        if size % tp:
+            parser.error(f"--tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
+                         "the MLP's units and the vocabulary, and an equal slice of the sequence")
 
 
 def group_store(rank, world_size, timeout):

@@ -1,33 +1,40 @@
-"""Step 6: tensor parallelism splits every block's two linear layers over the ranks; each rank computes every sample.
+"""Step 6: tensor parallelism splits every layer of a decoder over the ranks; each rank computes every sequence.
 
-    torchrun --standalone --nproc_per_node=2 tensor_parallel.py 20 5                    # 2 processes, GPUs or CPU
-    torchrun --standalone --nproc_per_node=4 tensor_parallel.py --total_epochs 4 --dtype float64
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py                          # 2 processes, GPUs or CPU
+    torchrun --standalone --nproc_per_node=4 tensor_parallel.py --dtype float64
 
-A block of models_and_data.BlockMLP is x + fc2(relu(fc1(norm(x)))). fc1 is split by output columns
-(ColwiseParallel: each rank computes hidden/tp of the hidden units, from the whole input) and fc2 by input rows
-(RowwiseParallel: each rank's partial sums of the output, all-reduced). So a block runs one all-reduce forward
-(fc2's output) and one backward (the gradient of fc1's input); the norms, inp and out are whole on every rank.
-At the start it prints, then trains (Loss: the mean squared error of the epoch):
+models_and_data.Decoder is a small Llama: token embeddings, layers of attention (q, k, v, o projections, rotary
+positions, grouped-query heads) and a SwiGLU MLP (gate, up, down), RMSNorms, an output head, trained to predict each
+next byte of a text. Megatron's split, as torchtitan applies it: in each layer q_proj, k_proj, v_proj and the MLP's
+gate_proj and up_proj are split by output columns (ColwiseParallel: each rank computes its own heads and hidden
+units, from the whole input), o_proj and down_proj by input rows (RowwiseParallel: each rank's partial sums).
+Sequence parallelism: between those, the activations stay split over the sequence, so the norms run on each rank's
+slice (SequenceParallel), all-gathered before attention and the MLP and reduce-scattered after them. The embedding
+is split over the vocabulary, and so are the logits: the loss takes them split (loss_parallel), never gathering a
+[batch, seq, vocab] tensor. At the start it prints, then trains:
 
     Training on 2 processes | device cpu | backend gloo
-    Mesh tp 2 | global batch 256, all of it on every rank
-    Rank 0 holds fc1.weight [128, 64] of [256, 64] | fc1.bias [128] of [256] | fc2.weight [64, 128] of [64, 256] | ...
-    Block 0 | forward fc2 all_reduce x1 | backward fc1 all_reduce x1      (counted in the first step: CommDebugMode)
-    Outside the blocks | forward none | backward none
-    Epoch 0 | Batchsize 256 | Steps 8 | Loss 1.031492
+    Text: Python's help text (pydoc_data), 465,048 characters; ... | 3,277 sequences of 128 bytes to train on
+    Mesh tp 2 | global batch 32, all of it on every rank
+    Rank 0 | embed_tokens, layers.0, layers.1, layers.2, layers.3, norm, lm_head | 426,560 of 853,120 parameters | ...
+    Layer 0 | forward all_gather_into_tensor x2, reduce_scatter_tensor x2 | backward ...   (the first step, counted)
     ...
-    Epoch 4 | Snapshot saved at tensor_parallel_checkpoints/epoch_000005
+    Epoch 0 | step 25 | Loss 2.924620 per token
     ...
-    Summary: epochs 20 | steps 160 | final loss 0.086537 | samples/s 2504.6 | wall 16.35s | world size 2 | backend gloo
+    Epoch 0 | Snapshot saved at tensor_parallel_checkpoints/epoch_000001
+    Summary: epochs 1 | steps 102 | final loss 2.206153 | tokens/s 3501.1 | wall 119.12s | world size 2 | ...
+    Sample: "The attribute is not ..."
 
-A second run resumes ("Resuming from tensor_parallel_checkpoints/epoch_000020 at epoch 20, saved as tp 2 on 2
+A second run resumes ("Resuming from tensor_parallel_checkpoints/epoch_000001 at epoch 1, saved as tp 2 on 2
 processes"). Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names, as
 pipeline_parallel.py's and nd_parallel.py's are: any of the three resumes from any other's, in any layout (the same
---global_batch_size trains on as it would have). --dtype float64 makes the numbers one process's but for the order
-of additions (tests/test_parallelism.py).
+--global_batch_size trains on as it would have). --init_from_hf DIR starts from a Llama checkpoint in Hugging
+Face's format, and hf_checkpoint.py turns any of these checkpoints into one. --dtype float64 makes the numbers one
+process's but for the order of additions (tests/test_parallelism.py).
 """
 import argparse
 import gc
+import json
 import os
 import socket
 import sys
@@ -40,75 +47,96 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import DataLoader
 
-from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler
-from models_and_data import BlockMLP, regression_dataset
+from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
+from models_and_data import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
 # Optimizer state flattened (one key per parameter): any subset of the model saves and loads its own part.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, layout, dtype, device):
-        self.device, self.dtype = device, dtype
-        self.model = model  # its blocks split over the ranks by parallelize_module
-        self.train_data = train_data
+    def __init__(self, model, train_data, optimizer, args, mesh):
+        self.device, self.dtype = device_of(mesh), getattr(torch, args.dtype)
+        self.model = model  # its layers split over the ranks by parallelize_module
         self.optimizer = optimizer
-        self.save_every = save_every
+        self.train_data = train_data
         self.sampler = train_data.sampler
-        self.position, self.steps_done = 0, 0  # samples of the epoch's order used; steps since the start
-        self.snapshot_path, self.layout = snapshot_path, layout
+        self.save_every, self.log_every = args.save_every, args.log_every
+        self.position, self.steps_done = 0, 0
+        self.snapshot_path, self.layout, self.config = args.snapshot_path, layout_of(mesh), args.config
         self.epochs_run = 0
         self.rank = dist.get_rank()
-        self.checkpoints = CheckpointDir(snapshot_path, log=self.log)
+        self.checkpoints = CheckpointDir(self.snapshot_path, log=self.log)
         where, path = self.checkpoints.newest()  # complete checkpoints only
         if where:
             state = self.state()  # this rank's pieces now: DCP reads into them what they cover of the saved ones
-            with self.checkpoints.loading(path, state):  # another model, a missing shard: one line
+            with self.checkpoints.loading(path, whole_model(state)):  # another model, a missing shard: one line
                 dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=STATE_OPTIONS)
+            self.set_state(state)
             self.sampler.check_snapshot(where, path)
             self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
             self.log(f"Resuming from {path} at epoch {self.epochs_run}, saved as {where.get('layout', '?')} on "
                      f"{where['world_size']} process{'es' * (where['world_size'] > 1)}")
+        elif args.init_from_hf:  # DCP reads the Hugging Face files straight into this rank's pieces
+            weights = {hf_name(key): value for key, value in self.state()["model"].items()}
+            dcp.load(weights, storage_reader=HuggingFaceStorageReader(args.init_from_hf),
+                     process_group=self.checkpoints.group)
+            self.log(f"Starting from {args.init_from_hf} (Hugging Face's format)")
 
     def log(self, text):
-        if self.rank == 0:  # every rank computes the same loss: rank 0 speaks for all (and marks checkpoints)
-            print(text)
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def loss(self, logits, targets):
+        """The mean cross-entropy of the step's tokens: every rank has all of them. The logits stay split over the
+        vocabulary (loss_parallel)."""
+        tokens = self.sampler.global_batch * targets.shape[1]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens
 
     def where(self):
         return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
                 "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
-                "layout": self.layout}
+                "layout": self.layout, "model": vars(self.config)}
 
     def state(self):
         """Model and optimizer state keyed by the full model's parameter names; each rank's pieces (DTensors)."""
         model, optimizer = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
         return {"model": model, "optimizer": optimizer}
 
+    def set_state(self, state):
+        """The loaded tensors; the optimizer keeps this run's settings (lr, betas), not the saved ones."""
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=STATE_OPTIONS)
+        for group, setting in zip(self.optimizer.param_groups, settings):
+            group.update(setting)
+
     def _save(self):
         path = self.checkpoints.start(self.where())
         self.checkpoints.saving(dcp.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
 
-    def _run_batch(self, source, targets, step_size):
+    def _run_batch(self, source, targets):
         self.optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(self.model(source), targets, reduction="sum")
-        (loss / step_size).backward()  # the mean over the step's samples: each rank has all of them
+        with loss_parallel():  # the cross-entropy of logits split over the vocabulary, forward and backward
+            loss = self.loss(self.model(source), targets)
+            loss.backward()
         self.optimizer.step()
-        return loss.detach()
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
-    def _first_step_counted(self, source, targets, step_size):
+    def _first_step_counted(self, source, targets):
         """The run's first step under CommDebugMode, which counts the collectives DTensor issues, module by module."""
         with warnings.catch_warnings():  # its module hooks warn that the model's input needs no gradient
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             with CommDebugMode() as counted:
-                loss = self._run_batch(source, targets, step_size)
+                loss = self._run_batch(source, targets)
         self.log(collective_lines(counted.comm_module_counts, self.model))
         return loss
 
@@ -117,14 +145,19 @@ class Trainer:
         trained = self.sampler.size - self.position
         loss_sum = torch.zeros((), device=self.device, dtype=self.dtype)  # read once per epoch, not every step
         for source, targets in self.train_data:
-            step_size = len(source)
-            source, targets = source.to(self.device, self.dtype), targets.to(self.device, self.dtype)
+            step_size = self.sampler.global_batch
+            source, targets = source.to(self.device), targets.to(self.device)
             run = self._first_step_counted if self.steps_done == self.first_step else self._run_batch
-            loss_sum += run(source, targets, step_size)
+            loss_sum += run(source, targets) * step_size  # the mean loss a token, times the sequences
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
-        mean_loss = loss_sum.item() / trained  # the same on every rank: no reduction needed
+            if self.log_every and self.steps_done % self.log_every == 0:
+                said = loss_sum.clone()  # the same on every rank: no reduction needed
+                sequences = trained - (self.sampler.size - self.position)  # this epoch's, so far
+                self.log(f"Epoch {epoch} | step {self.steps_done} | Loss {said.item() / sequences:.6f} per token")
+        mean_loss = loss_sum.item() / trained
         steps = -(-self.sampler.size // self.sampler.global_batch)
-        self.log(f"Epoch {epoch} | Batchsize {self.sampler.global_batch} | Steps {steps} | Loss {mean_loss:.6f}")
+        self.log(f"Epoch {epoch} | Batchsize {self.sampler.global_batch} | Steps {steps} | "
+                 f"Loss {mean_loss:.6f} per token")
         self.epochs_run, self.position = epoch + 1, 0
         return mean_loss
 
@@ -132,62 +165,117 @@ class Trainer:
         if self.epochs_run >= max_epochs:
             self.log(f"Nothing to do: {self.snapshot_path} already holds {self.epochs_run} epochs "
                      f"(--total_epochs {max_epochs}); raise --total_epochs to train on")
-            return
-        start, first_epoch, self.first_step = time.perf_counter(), self.epochs_run, self.steps_done
+            return None
+        start, first_epoch, first_step = time.perf_counter(), self.epochs_run, self.steps_done
+        self.first_step = first_step
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save()
             self.checkpoints.commit(wait=True)
         wall = time.perf_counter() - start
-        epochs = max_epochs - first_epoch
-        samples = epochs * self.sampler.size
-        self.log(f"Summary: epochs {epochs} | steps {self.steps_done - self.first_step} | final loss {loss:.6f} | "
-                 f"samples/s {samples / wall:.1f} | wall {wall:.2f}s | world size {dist.get_world_size()} | "
-                 f"backend {dist.get_backend()}")
+        tokens = (max_epochs - first_epoch) * self.sampler.size * self.config.max_seq_len
+        self.log(f"Summary: epochs {max_epochs - first_epoch} | steps {self.steps_done - first_step} | final loss "
+                 f"{loss:.6f} | tokens/s {tokens / wall:.1f} | wall {wall:.2f}s | world size "
+                 f"{dist.get_world_size()} | backend {dist.get_backend()}")
+        return self.checkpoints.path(self.where())  # the last epoch's, saved above
 
 
-def holdings(model):
-    """A line of what this rank holds: its piece of each split parameter of a block (every block is split alike),
-    and its share of all the parameters."""
-    pieces = [f"{name} {list(p.to_local().shape)} of {list(p.shape)}" for name, p in model.blocks[0].named_parameters()
-              if isinstance(p, DTensor)]
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    total = sum(p.numel() for p in model.parameters())
-    return f"{' | '.join(pieces)} in each block; the rest whole: {local:,} of {total:,} parameters"
+def device_of(mesh):
+    """This process's device: its GPU (set before the process group), or the CPU."""
+    return torch.device("cpu") if mesh.device_type == "cpu" else torch.accelerator.current_accelerator()
+
+
+def layout_of(mesh):
+    return " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names)
+
+
+def apply_tp(model, tp_mesh):
+    """Megatron's split with sequence parallelism (torchtitan's plan). In each layer q, k, v and the MLP's gate and
+    up projections are split by output columns (each rank: its heads, its hidden units), o_proj and down_proj by
+    input rows, their partial sums reduce-scattered over the sequence; the norms run on each rank's slice of the
+    sequence, all-gathered before attention and the MLP. The embedding is split over the vocabulary, and so are
+    the logits, which the loss takes as they are (loss_parallel)."""
+    ends = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    parallelize_module(model, tp_mesh, {name: style for name, style in ends.items() if getattr(model, name)})
+    for layer in filter(None, model.layers):
+        parallelize_module(layer, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def holdings(part, names, mesh, total):
+    """What this rank holds: its parts, its share of the parameters, and its piece of the first layer's
+    q_proj.weight (split over tp)."""
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in part.parameters())
+    layer = next((i for i, layer in enumerate(part.layers) if layer is not None), None)
+    weight = part.layers[layer].self_attn.q_proj.weight if layer is not None else None
+    piece = (f" | layers.{layer}.self_attn.q_proj.weight {list(weight.to_local().shape)} of {list(weight.shape)}"
+             if isinstance(weight, DTensor) else "")
+    return f"{', '.join(names)} | {local:,} of {total:,} parameters{piece}"
 
 
 def collective_lines(counts, model):
-    """Block by block, the collectives each sublayer issued forward and backward (CommDebugMode's counts, keyed
-    by the module's path from the model's class name), and what the rest of the model issued."""
-    root = type(model).__name__
+    """Layer by layer, the collectives each one issued forward and backward (CommDebugMode's counts, keyed by the
+    module's path from the model's class name), and what the rest of the model issued."""
+    root, depth = type(model).__name__, len(model.layers)
 
     def issued(prefix, phase):
-        found = [f"{name[len(prefix) + 1:]} {str(op).split('.')[-1]} x{n}" for name, phases in counts.items()
-                 if name.startswith(prefix + ".") for op, n in phases[phase].items() if n]
-        return ", ".join(found) or "none"
+        found = {}
+        for name, phases in counts.items():
+            if name == prefix:
+                for op, n in phases[phase].items():
+                    found[str(op).split(".")[-1]] = found.get(str(op).split(".")[-1], 0) + n
+        return ", ".join(f"{op} x{n}" for op, n in sorted(found.items()) if n) or "none"
 
     def total(name, phase):
         return sum(counts.get(name, {}).get(phase, {}).values())
 
-    lines = [f"Block {i} | forward {issued(f'{root}.blocks.{i}', 'forward')} | backward "
-             f"{issued(f'{root}.blocks.{i}', 'backward')}" for i in range(len(model.blocks))]
-    rest = {phase: total("Global", phase) - sum(total(f"{root}.blocks.{i}", phase) for i in range(len(model.blocks)))
+    lines = [f"Layer {i} | forward {issued(f'{root}.layers.{i}', 'forward')} | backward "
+             f"{issued(f'{root}.layers.{i}', 'backward')}" for i in range(depth)]
+    rest = {phase: total("Global", phase) - sum(total(f"{root}.layers.{i}", phase) for i in range(depth))
             for phase in ("forward", "backward")}
-    lines.append(f"Outside the blocks | forward {rest['forward'] or 'none'} | backward {rest['backward'] or 'none'}")
+    lines.append(f"Outside the layers | forward {rest['forward'] or 'none'} | backward {rest['backward'] or 'none'}")
     return "\n".join(lines)
 
 
-def load_train_objs(args, mesh, dtype, device):
-    torch.manual_seed(args.seed)
-    train_set = regression_dataset(2048, seed=args.seed)
+def whole_model(state):
+    """The shapes of every rank's tensors together, as meta tensors under DCP's flat keys: what a checkpoint of
+    this model holds, to compare with one (a collective: every rank)."""
+    def flat(value, prefix=""):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield from flat(item, f"{prefix}.{key}" if prefix else key)
+        elif isinstance(value, torch.Tensor):
+            yield prefix, tuple(value.shape)
+
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dict(flat(state)))
+    return {key: torch.empty(shape, device="meta") for shapes in ranks for key, shape in shapes.items()}
+
+
+def load_train_objs(args, mesh):
+    text, about = read_text(args.data)
+    train_set, _ = text_splits(text, args.config.max_seq_len)
     # The same weights on every rank (same seed); parallelize_module keeps each rank's piece of the split ones.
-    model = BlockMLP(input_size=20, width=args.width, hidden=args.hidden, depth=args.depth).to(device, dtype)
-    for block in model.blocks:  # fc1's output columns and fc2's input rows: the hidden units, split over the ranks
-        parallelize_module(block, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    # foreach=False: the parameters are DTensors (split) and plain tensors (whole), which one foreach call cannot mix.
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=False)
-    return train_set, model, optimizer
+    model = Decoder(args.config).init_weights(args.seed).to(device_of(mesh), getattr(torch, args.dtype))
+    total = sum(p.numel() for p in model.parameters())
+    names = ["embed_tokens", *(f"layers.{i}" for i in range(len(model.layers))), "norm", "lm_head"]
+    apply_tp(model, mesh["tp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return train_set, about, model, optimizer, holdings(model, names, mesh, total)
 
 
 def main(args):
@@ -212,7 +300,7 @@ def main(args):
             sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # The blocks' all-reduces run over this group of world_size processes, through the device mesh made of it.
+    # The layers' collectives run over this group of world_size processes, through the device mesh made of it.
     # A framework that calls main() (Ray Train, say) may own the group already.
     timeout = timedelta(seconds=args.timeout)
     owns_group = not dist.is_initialized()
@@ -222,59 +310,87 @@ def main(args):
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
-    dtype = getattr(torch, args.dtype)
-    dataset, model, optimizer = load_train_objs(args, mesh, dtype, device)
-    layout = f"tp {world_size}"
-    holds = [None] * world_size
-    dist.all_gather_object(holds, holdings(model))
+    dataset, about, model, optimizer, holds = load_train_objs(args, mesh)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, holds)
     if rank == 0:
-        print(f"Mesh {layout} | global batch {args.global_batch_size}, all of it on every rank")
-        print("\n".join(f"Rank {r} holds {line}" for r, line in enumerate(holds)))
+        print(f"Text: {about} | {len(dataset):,} sequences of {args.config.max_seq_len} bytes to train on")
+        print(f"Mesh {layout_of(mesh)} | global batch {args.global_batch_size}, all of it on every rank")
+        print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
     # Every rank takes every step's whole batch (rank 0 of a data-parallel world of 1): one order of the dataset
     # per epoch, whose position a checkpoint keeps.
-    sampler = GlobalOrderSampler(len(dataset), 0, 1, args.global_batch_size, seed=args.seed)
+    size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: batches of one shape
+    sampler = GlobalOrderSampler(size, 0, 1, args.global_batch_size, seed=args.seed)
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
-    trainer = Trainer(model, train_data, optimizer, args.save_every, args.snapshot_path, layout, dtype, device)
-    trainer.train(args.total_epochs)
+    trainer = Trainer(model, train_data, optimizer, args, mesh)
+    newest = trainer.train(args.total_epochs)
     del trainer, model, optimizer  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()
     mesh._pg_registry.clear()  # DTensor's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
+    if rank == 0 and newest and args.sample:  # the whole decoder, read back from the checkpoint just saved
+        model = load_whole_model(Decoder(args.config), newest)
+        print(f"Sample: {json.dumps(sample(model, args.prompt, args.sample))}")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("epochs_arg", nargs="?", type=int, default=50, metavar="total_epochs", help="= --total_epochs")
-    parser.add_argument("every_arg", nargs="?", type=int, default=10, metavar="save_every", help="= --save_every")
-    parser.add_argument("--total_epochs", "--epochs", type=int, help="epochs in all (default 50)")
-    parser.add_argument("--save_every", type=int, help="epochs between snapshots; the last is saved too (default 10)")
-    parser.add_argument("--global_batch_size", type=int, default=256, help="samples per step (default 256); every "
-                        "rank computes all of them")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
+    parser.add_argument("--total_epochs", "--epochs", type=int, default=1, help="passes over the text (default 1)")
+    parser.add_argument("--save_every", type=int, default=1, help="epochs between checkpoints; the last is saved too")
+    parser.add_argument("--log_every", type=int, default=25, help="steps between loss lines; 0: once an epoch")
+    parser.add_argument("--global_batch_size", type=int, default=32, help="sequences per step; every rank computes "
+                        "all of them")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
+    parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
+                        "else Python's help text)")
     parser.add_argument("--snapshot_path", default="tensor_parallel_checkpoints", help="the checkpoints' directory")
+    parser.add_argument("--init_from_hf", metavar="DIR", help="start from a Llama checkpoint in Hugging Face's format "
+                        "(config.json, *.safetensors); its config sets the model's sizes")
     parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                        help="of the weights and the data; float64 to compare with one process tightly")
-    parser.add_argument("--width", type=int, default=64, help="the blocks' width (default 64)")
-    parser.add_argument("--hidden", type=int, default=256, help="each block's hidden units, split over the ranks "
-                        "(default 256)")
-    parser.add_argument("--depth", type=int, default=4, help="blocks (default 4)")
+                        help="of the weights; float64 to compare with one process tightly")
+    parser.add_argument("--sample", type=int, default=200, help="bytes to generate at the end (0: none)")
+    parser.add_argument("--prompt", default="The ", help="the sample's beginning")
+    defaults = DecoderConfig()
+    for name, help_ in (("dim", "the model's width"), ("n_layers", "layers"), ("n_heads", "attention heads"),
+                        ("n_kv_heads", "key/value heads"), ("hidden", "the MLP's width")):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{help_} (default "
+                            f"{getattr(defaults, name)})")
+    parser.add_argument("--seq_len", type=int, default=128, help="bytes a sequence (default 128)")
     args = parser.parse_args(argv)
-    args.total_epochs = args.epochs_arg if args.total_epochs is None else args.total_epochs
-    args.save_every = args.every_arg if args.save_every is None else args.save_every
-    if min(args.total_epochs, args.save_every, args.global_batch_size, args.timeout) <= 0:
-        parser.error("--total_epochs, --save_every, --global_batch_size and --timeout must be positive")
-    if min(args.width, args.hidden, args.depth) <= 0:
-        parser.error("--width, --hidden and --depth must be positive")
+    args.config = DecoderConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                                n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq_len=args.seq_len)
+    if args.init_from_hf:
+        try:
+            with open(os.path.join(args.init_from_hf, "config.json")) as f:
+                args.config = DecoderConfig.from_hf(json.load(f))
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--init_from_hf {args.init_from_hf}: not a Llama checkpoint this decoder loads ({error})")
+        args.config.max_seq_len = args.seq_len
+    c = args.config
+    sizes = (args.global_batch_size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden, c.max_seq_len)
+    if min(args.total_epochs, args.save_every, args.timeout, args.lr, *sizes) <= 0:
+        parser.error("--total_epochs, --save_every, --timeout, --lr, --global_batch_size and the model's sizes must "
+                     "be positive")
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
-    tp = int(os.environ["WORLD_SIZE"])
-    if args.hidden % tp:
-        parser.error(f"{tp} processes (tp {tp}) do not divide --hidden {args.hidden}: each rank takes an equal "
-                     "share of every block's hidden units")
+    check_model(parser, c, int(os.environ["WORLD_SIZE"]))
     return args
+
+
+def check_model(parser, c, tp):
+    """The model's sizes against its split: one line for any that does not divide."""
+    if c.dim % c.n_heads or c.n_heads % c.n_kv_heads or (c.dim // c.n_heads) % 2:
+        parser.error(f"--n_heads {c.n_heads} must divide --dim {c.dim} into heads of an even size, and --n_kv_heads "
+                     f"{c.n_kv_heads} must divide --n_heads")
+    for name, size in (("--n_heads", c.n_heads), ("--n_kv_heads", c.n_kv_heads), ("--hidden", c.hidden),
+                       ("the vocabulary", c.vocab_size), ("--seq_len", c.max_seq_len)):
+        if size % tp:
+            parser.error(f"--tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
+                         "the MLP's units and the vocabulary, and an equal slice of the sequence")
 
 
 def group_store(rank, world_size, timeout):

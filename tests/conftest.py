@@ -217,7 +217,7 @@ def pytest_runtest_makereport(item, call):
 
 
 SUMMARY = re.compile(r"^Summary: epochs (?P<epochs>[\d.]+) \| steps (?P<steps>\d+) \| final loss (?P<loss>[\d.]+) \| "
-                     r"samples/s (?P<samples_per_s>[\d.]+) \| wall (?P<wall>[\d.]+)s \| "
+                     r"(?:samples|tokens)/s (?P<samples_per_s>[\d.]+) \| wall (?P<wall>[\d.]+)s \| "
                      r"world size (?P<world_size>\d+) \| backend (?P<backend>\w+)$", re.MULTILINE)
 Summary = namedtuple("Summary", "epochs steps loss samples_per_s wall world_size backend")
 COLLECTIVES = re.compile(r"^ddp-examples-count: rank (\d+) issued (\d+) collectives$", re.MULTILINE)

@@ -1,40 +1,23 @@
 """Step 8: data, tensor and pipeline parallelism at once, on one DeviceMesh with named dimensions.
 
-    torchrun --standalone --nproc_per_node=8 nd_parallel.py --dp 2 --tp 2 --pp 2                       # 3-D
-    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 2 --tp 2                              # FSDP2 x TP
-    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 4 --dp_replicate 2                    # HSDP 2 x 2
-    torchrun --standalone --nproc_per_node=4 nd_parallel.py --pp 2 --tp 2 --schedule zbv               # 2 stages a rank
-    torchrun --standalone --nproc_per_node=1 nd_parallel.py                                            # one process
+    torchrun --standalone --nproc_per_node=8 nd_parallel.py --dp 2 --tp 2 --pp 2          # 3-D
+    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 4 --dp_replicate 2        # HSDP 2 x 2
 
-The mesh is pp x dp_replicate x dp_shard x tp (tp innermost: a tensor-parallel group's ranks are neighbours, on one
-machine). Rank r sits at one coordinate of each: the pipeline stages it runs (pipeline_parallel.py: the decoder
-without what its stages do not own), its data-parallel rank (its part of every global batch), and its piece of
-each layer (tensor_parallel.py: the heads and the MLP split over the tp group, the norms over the sequence). FSDP2
-(fsdp.py) then shards what the rank holds over the dp_shard group, and with --dp_replicate R (HSDP) keeps R copies
-of the shards, their gradients all-reduced over dp_replicate. --dp defaults to the processes over tp x pp. An axis
-of size 1 is left out: one process trains the plain decoder through a one-stage schedule. It prints:
+The mesh is pp x dp_replicate x dp_shard x tp, tp innermost (its ranks neighbours, on one machine). Each rank runs
+its stages (pipeline_parallel.py), split over tp (tensor_parallel.py), then sharded by FSDP2 over dp_shard
+(fsdp.py), with --dp_replicate R copies of the shards (HSDP). An axis of size 1 is left out. It prints where each
+rank sits and what it holds, the loss, each rank's idle time beside its schedule's bubble, and a sample:
 
-    Training on 8 processes | device cpu | backend gloo
-    Text: Python's help text (pydoc_data), 465,048 characters; ... | 3,277 sequences of 128 bytes to train on
     Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 16 sequences a data-parallel rank in 2 micro-batches | ...
-    Rank 0 | pp 0 dp_replicate 0 dp_shard 0 tp 0 | stage 0: embed_tokens, layers.0, layers.1 | 111,232 of ...
-    ...
-    Epoch 0 | step 50 | Loss 2.473313 per token
-    ...
-    Epoch 0 | Batchsize 16 | Steps 103 | Loss 2.206153 per token
-    Epoch 0 | Snapshot saved at nd_parallel_checkpoints/epoch_000001
+    Epoch 0 | Batchsize 16 | Steps 102 | Loss 2.324010 per token
     Rank 0 | stage 0 | idle 61.0% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
-    ...
-    Summary: epochs 1 | steps 103 | final loss 2.206153 | tokens/s 3890.1 | wall 86.73s | world size 8 | ...
-    Sample: "The attribute is not ..."
+    Sample: "The ..."
 
-Batchsize is a data-parallel rank's part of the global batch, in sequences. Checkpoints are keyed by the full
-model's names (DCP, with fsdp_checkpoint.py's complete marker): a run resumes from one of any layout, this
-script's, tensor_parallel.py's or pipeline_parallel.py's ("Resuming from nd_parallel_checkpoints/epoch_000001 at
-epoch 1, saved as pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 on 8 processes"), and trains on as it would have with
-the same --global_batch_size. --init_from_hf DIR starts from a Llama checkpoint in Hugging Face's format, and
-hf_checkpoint.py turns any of these checkpoints into one. With --dtype float64 the numbers are one process's but for
-the order of additions (tests/test_parallelism.py).
+Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
+pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have
+with the same --global_batch_size. --init_from_hf DIR starts from a Llama checkpoint in Hugging Face's format, and
+hf_checkpoint.py writes one. With --dtype float64 every layout trains one process's numbers but for the order of
+additions (tests/test_parallelism.py). docs/parallelism.md walks through it.
 """
 import argparse
 import copy
@@ -52,7 +35,8 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
@@ -63,7 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.data import DataLoader
 
 from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
-from models_and_data import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
+from language_model import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
 # Optimizer state flattened (one key per parameter): each stage saves and loads its own part of the model's state.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -115,9 +99,12 @@ class Trainer:
             self.log(f"Resuming from {path} at epoch {self.epochs_run}, saved as {where.get('layout', '?')} on "
                      f"{where['world_size']} process{'es' * (where['world_size'] > 1)}")
         elif args.init_from_hf:  # DCP reads the Hugging Face files straight into this rank's pieces
-            weights = {hf_name(key): value for key, value in self.state()["model"].items()}
-            dcp.load(weights, storage_reader=HuggingFaceStorageReader(args.init_from_hf),
-                     process_group=self.checkpoints.group)
+            # The model's state alone: get_state_dict would give a fresh AdamW a first step (state at step 1).
+            weights = [get_model_state_dict(part) for part in self.parts]
+            dcp.load({hf_name(key): value for part in weights for key, value in part.items()},
+                     storage_reader=HuggingFaceStorageReader(args.init_from_hf), process_group=self.checkpoints.group)
+            for part, part_weights in zip(self.parts, weights):
+                set_model_state_dict(part, part_weights)
             self.log(f"Starting from {args.init_from_hf} (Hugging Face's format)")
 
     def log(self, text):
@@ -182,17 +169,18 @@ class Trainer:
         losses = []  # the last stage's, one a micro-batch
         self.synchronize()
         busy, start = self.busy[0], time.perf_counter()
-        # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both. TP's
-        # collectives run inside each stage's layers, FSDP's gathers around them, its reduce-scatters at the end.
-        # return_outputs=False: the last stage keeps no outputs, whose autograd graph would hold FSDP's hooks, and
-        # through them the modules and the process groups, past destroy_process_group.
+        # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both.
+        # return_outputs=False: the last stage keeps no outputs, whose autograd graph would hold the modules (and
+        # any hooks on them, and through them the process groups) past destroy_process_group. TP's collectives
+        # run inside each stage's layers, FSDP's gathers around them, its reduce-scatters at the end.
         with loss_parallel():  # the cross-entropy of logits split over the vocabulary, forward and backward
             self.schedule.step(*[source] * self.first, target=targets if self.last else None,
                                losses=losses if self.last else None, return_outputs=False)
         self.synchronize()
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
+        settle_grads(self.parts)
         for optimizer in self.optimizers:
-            optimizer.step()  # on this rank's shards of its stages' pieces: no communication
+            optimizer.step()  # on this rank's pieces of its stages: no communication
         loss = sum(losses, torch.zeros((), device=self.device, dtype=self.dtype))
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
@@ -316,6 +304,16 @@ def apply_tp(model, tp_mesh):
         })
 
 
+def settle_grads(parts):
+    """The norms' weight gradients come out of backward as partial sums (each tp rank's slice of the sequence), the
+    embedding's whole: each to its parameter's layout once, before the optimizer, which would otherwise all-reduce
+    the partial sums at each of its uses (three for AdamW)."""
+    for part in parts:
+        for p in part.parameters():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+
+
 def holdings(part, names, mesh, total):
     """What this rank holds of one stage: its parts, its share of the parameters, and its piece of the stage's
     first layer's q_proj.weight (split over tp, then sharded over dp)."""
@@ -427,7 +425,7 @@ def main(args):
     newest = trainer.train(args.total_epochs)
     del trainer, parts, optimizers  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()  # FSDP2's modules sit in reference cycles (hooks hold FSDP's state, which holds the module)
-    mesh._pg_registry.clear()  # DTensor's caches keep the mesh for good, and it its groups (private: no public way)
+    mesh._pg_registry.clear()  # torch's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
     if rank == 0 and newest and args.sample:  # the whole decoder, read back from the checkpoint just saved
@@ -515,7 +513,7 @@ def check_model(parser, c, tp):
     for name, size in (("--n_heads", c.n_heads), ("--n_kv_heads", c.n_kv_heads), ("--hidden", c.hidden),
                        ("the vocabulary", c.vocab_size), ("--seq_len", c.max_seq_len)):
         if size % tp:
-            parser.error(f"--tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
+            parser.error(f"tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
                          "the MLP's units and the vocabulary, and an equal slice of the sequence")
 
 

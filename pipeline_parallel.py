@@ -1,40 +1,25 @@
 """Step 7: pipeline parallelism gives each rank some of the decoder's layers (a stage); micro-batches flow through them.
 
-    torchrun --standalone --nproc_per_node=2 pipeline_parallel.py                                      # 2 stages
-    torchrun --standalone --nproc_per_node=4 pipeline_parallel.py --schedule gpipe --microbatches 8
-    torchrun --standalone --nproc_per_node=2 pipeline_parallel.py --schedule zbv                       # 2 stages a rank
+    torchrun --standalone --nproc_per_node=2 pipeline_parallel.py                          # 2 stages
+    torchrun --standalone --nproc_per_node=2 pipeline_parallel.py --schedule zbv           # 2 stages a rank
 
-Every rank builds models_and_data.Decoder and drops (sets to None) what its stages do not own, as torchtitan
-does: stage s of S keeps layers n*s//S to n*(s+1)//S - 1, the first stage also embed_tokens, the last norm and
-lm_head, all under the full model's names. torch.distributed.pipelining runs a step: each global batch is cut into
---microbatches; a stage receives a micro-batch's activations from the one before (send/recv), sends its output on,
-and the gradients come back the same way. GPipe runs every forward, then every backward; 1F1B alternates one of
-each once the pipeline is full, so that fewer micro-batches' activations wait in memory. Either way a rank waits
-while the pipeline fills and drains: the bubble, (p-1)/(m+p-1) of a step for p stages and m micro-batches, if
-every stage took the same time. The looped schedules give each rank two stages (r and r + p: interleaved 1F1B
-fills the pipeline in half the time), the V-shaped ones stages r and 2p-1-r; the zero-bubble ones (interleaved_zb,
-zbv, dualpipev) split each backward into the input's gradient, which the stage before waits for, and the weights',
-which fills the bubble. It prints:
+Each rank builds the whole decoder and drops (sets to None) what its stages do not own, as torchtitan does: the
+kept layers keep their names. Each global batch is cut into --microbatches; a stage receives a micro-batch's
+activations from the one before, sends its output on, and the gradients come back the same way. --schedule takes
+each schedule torch ships: gpipe and 1f1b (a stage a rank), interleaved_1f1b and interleaved_zb (stages r and
+r + p), zbv and dualpipev (stages r and 2p - 1 - r). It prints what each rank holds, the loss, each rank's idle
+time beside its schedule's bubble, and a sample:
 
-    Training on 2 processes | device cpu | backend gloo
-    Text: Python's help text (pydoc_data), 465,048 characters; ... | 3,277 sequences of 128 bytes to train on
     Mesh pp 2 | 32 sequences in 2 micro-batches | global batch 32 | schedule 1f1b
-    Rank 0 | stage 0: embed_tokens, layers.0, layers.1 | 426,240 of 853,120 parameters
-    Rank 1 | stage 1: layers.2, layers.3, norm, lm_head | 426,880 of 853,120 parameters
-    Epoch 0 | step 25 | Loss 2.924620 per token
-    ...
-    Epoch 0 | Snapshot saved at pipeline_parallel_checkpoints/epoch_000001
+    Epoch 0 | Batchsize 32 | Steps 102 | Loss 2.324010 per token
     Rank 0 | stage 0 | idle 39.0% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
-    Rank 1 | stage 1 | idle 35.5% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
-    Summary: epochs 1 | steps 102 | final loss 2.206153 | tokens/s 4212.4 | wall 99.23s | world size 2 | ...
-    Sample: "The attribute is not ..."
+    Sample: "The ..."
 
-Idle is measured per rank: 1 - (time in its stages' forward, backward and loss) / (time of the step), over the
-run's steps but the first (which also infers the shapes sent between stages). On a CPU with fewer cores than
-processes the stages also wait for a core. A second run resumes ("Resuming from
-pipeline_parallel_checkpoints/epoch_000001 at epoch 1, saved as pp 2 on 2 processes"). Checkpoints: each stage
-writes its own parameters under their full names, so any layout of tensor_parallel.py, this script or
-nd_parallel.py resumes from them; --init_from_hf DIR starts from a Llama checkpoint in Hugging Face's format.
+Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
+pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have
+with the same --global_batch_size. --init_from_hf DIR starts from a Llama checkpoint in Hugging Face's format, and
+hf_checkpoint.py writes one. With --dtype float64 every layout trains one process's numbers but for the order of
+additions (tests/test_parallelism.py). docs/parallelism.md walks through it.
 """
 import argparse
 import copy
@@ -52,14 +37,15 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
 from torch.utils.data import DataLoader
 
 from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
-from models_and_data import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
+from language_model import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
 # Optimizer state flattened (one key per parameter): each stage saves and loads its own part of the model's state.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -108,9 +94,12 @@ class Trainer:
             self.log(f"Resuming from {path} at epoch {self.epochs_run}, saved as {where.get('layout', '?')} on "
                      f"{where['world_size']} process{'es' * (where['world_size'] > 1)}")
         elif args.init_from_hf:  # DCP reads the Hugging Face files straight into this rank's pieces
-            weights = {hf_name(key): value for key, value in self.state()["model"].items()}
-            dcp.load(weights, storage_reader=HuggingFaceStorageReader(args.init_from_hf),
-                     process_group=self.checkpoints.group)
+            # The model's state alone: get_state_dict would give a fresh AdamW a first step (state at step 1).
+            weights = [get_model_state_dict(part) for part in self.parts]
+            dcp.load({hf_name(key): value for part in weights for key, value in part.items()},
+                     storage_reader=HuggingFaceStorageReader(args.init_from_hf), process_group=self.checkpoints.group)
+            for part, part_weights in zip(self.parts, weights):
+                set_model_state_dict(part, part_weights)
             self.log(f"Starting from {args.init_from_hf} (Hugging Face's format)")
 
     def log(self, text):
@@ -175,13 +164,14 @@ class Trainer:
         self.synchronize()
         busy, start = self.busy[0], time.perf_counter()
         # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both.
-        # return_outputs=False: the last stage keeps no outputs (and their autograd graph) after the step.
+        # return_outputs=False: the last stage keeps no outputs, whose autograd graph would hold the modules (and
+        # any hooks on them, and through them the process groups) past destroy_process_group.
         self.schedule.step(*[source] * self.first, target=targets if self.last else None,
                            losses=losses if self.last else None, return_outputs=False)
         self.synchronize()
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
         for optimizer in self.optimizers:
-            optimizer.step()  # each stage steps its own parameters: no communication
+            optimizer.step()  # on this rank's pieces of its stages: no communication
         return sum(losses, torch.zeros((), device=self.device, dtype=self.dtype)).detach()
 
     def _run_epoch(self, epoch):
@@ -283,7 +273,7 @@ def holdings(part, names, total):
 
 
 def whole_model(state):
-    """The shapes of every stage's tensors together, as meta tensors under DCP's flat keys: what a checkpoint of
+    """The shapes of every rank's tensors together, as meta tensors under DCP's flat keys: what a checkpoint of
     this model holds, to compare with one (a collective: every rank)."""
     def flat(value, prefix=""):
         if isinstance(value, dict):
@@ -307,7 +297,7 @@ def load_train_objs(args, mesh):
     indices = stage_indices(mesh["pp"].get_local_rank(), mesh["pp"].size(), args.schedule)
     parts, lines = [], []
     for index in indices:
-        # The stage, under the full model's names.
+        # 1. Pipeline: the stage, under the full model's names.
         part = copy.deepcopy(model) if len(indices) > 1 else model
         names = build_stage(part, index, mesh["pp"].size() * len(indices))
         part.to(device_of(mesh))
@@ -367,6 +357,7 @@ def main(args):
     newest = trainer.train(args.total_epochs)
     del trainer, parts, optimizers  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()
+    mesh._pg_registry.clear()  # torch's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
     if rank == 0 and newest and args.sample:  # the whole decoder, read back from the checkpoint just saved
@@ -443,7 +434,7 @@ def check_model(parser, c, tp):
     for name, size in (("--n_heads", c.n_heads), ("--n_kv_heads", c.n_kv_heads), ("--hidden", c.hidden),
                        ("the vocabulary", c.vocab_size), ("--seq_len", c.max_seq_len)):
         if size % tp:
-            parser.error(f"--tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
+            parser.error(f"tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
                          "the MLP's units and the vocabulary, and an equal slice of the sequence")
 
 

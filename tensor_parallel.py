@@ -3,34 +3,23 @@
     torchrun --standalone --nproc_per_node=2 tensor_parallel.py                          # 2 processes, GPUs or CPU
     torchrun --standalone --nproc_per_node=4 tensor_parallel.py --dtype float64
 
-models_and_data.Decoder is a small Llama: token embeddings, layers of attention (q, k, v, o projections, rotary
-positions, grouped-query heads) and a SwiGLU MLP (gate, up, down), RMSNorms, an output head, trained to predict each
-next byte of a text. Megatron's split, as torchtitan applies it: in each layer q_proj, k_proj, v_proj and the MLP's
-gate_proj and up_proj are split by output columns (ColwiseParallel: each rank computes its own heads and hidden
-units, from the whole input), o_proj and down_proj by input rows (RowwiseParallel: each rank's partial sums).
-Sequence parallelism: between those, the activations stay split over the sequence, so the norms run on each rank's
-slice (SequenceParallel), all-gathered before attention and the MLP and reduce-scattered after them. The embedding
-is split over the vocabulary, and so are the logits: the loss takes them split (loss_parallel), never gathering a
-[batch, seq, vocab] tensor. At the start it prints, then trains:
+The model is language_model.Decoder, a small Llama, learning each next byte of a text. Megatron's split, as
+torchtitan applies it: q, k, v and the MLP's gate and up projections by output columns (ColwiseParallel: each rank
+its own heads and hidden units), o and down by input rows (RowwiseParallel: partial sums). Between them the
+activations stay split over the sequence (sequence parallelism): the norms run on each rank's slice, all-gathered
+before attention and the MLP, reduce-scattered after. The logits stay split over the vocabulary for the loss
+(loss_parallel). It prints what each rank holds, the collectives of the first step, the loss, and a sample:
 
-    Training on 2 processes | device cpu | backend gloo
-    Text: Python's help text (pydoc_data), 465,048 characters; ... | 3,277 sequences of 128 bytes to train on
     Mesh tp 2 | global batch 32, all of it on every rank
-    Rank 0 | embed_tokens, layers.0, layers.1, layers.2, layers.3, norm, lm_head | 426,560 of 853,120 parameters | ...
-    Layer 0 | forward all_gather_into_tensor x2, reduce_scatter_tensor x2 | backward ...   (the first step, counted)
-    ...
-    Epoch 0 | step 25 | Loss 2.924620 per token
-    ...
-    Epoch 0 | Snapshot saved at tensor_parallel_checkpoints/epoch_000001
-    Summary: epochs 1 | steps 102 | final loss 2.206153 | tokens/s 3501.1 | wall 119.12s | world size 2 | ...
-    Sample: "The attribute is not ..."
+    Layer 0 | forward all_gather_into_tensor x2, reduce_scatter_tensor x2 | backward ...
+    Epoch 0 | Batchsize 32 | Steps 102 | Loss 2.324010 per token
+    Sample: "The ..."
 
-A second run resumes ("Resuming from tensor_parallel_checkpoints/epoch_000001 at epoch 1, saved as tp 2 on 2
-processes"). Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names, as
-pipeline_parallel.py's and nd_parallel.py's are: any of the three resumes from any other's, in any layout (the same
---global_batch_size trains on as it would have). --init_from_hf DIR starts from a Llama checkpoint in Hugging
-Face's format, and hf_checkpoint.py turns any of these checkpoints into one. --dtype float64 makes the numbers one
-process's but for the order of additions (tests/test_parallelism.py).
+Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
+pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have
+with the same --global_batch_size. --init_from_hf DIR starts from a Llama checkpoint in Hugging Face's format, and
+hf_checkpoint.py writes one. With --dtype float64 every layout trains one process's numbers but for the order of
+additions (tests/test_parallelism.py). docs/parallelism.md walks through it.
 """
 import argparse
 import gc
@@ -48,7 +37,8 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -56,7 +46,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.data import DataLoader
 
 from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
-from models_and_data import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
+from language_model import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
 # Optimizer state flattened (one key per parameter): any subset of the model saves and loads its own part.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -86,9 +76,12 @@ class Trainer:
             self.log(f"Resuming from {path} at epoch {self.epochs_run}, saved as {where.get('layout', '?')} on "
                      f"{where['world_size']} process{'es' * (where['world_size'] > 1)}")
         elif args.init_from_hf:  # DCP reads the Hugging Face files straight into this rank's pieces
-            weights = {hf_name(key): value for key, value in self.state()["model"].items()}
-            dcp.load(weights, storage_reader=HuggingFaceStorageReader(args.init_from_hf),
-                     process_group=self.checkpoints.group)
+            # The model's state alone: get_state_dict would give a fresh AdamW a first step (state at step 1).
+            weights = [get_model_state_dict(part) for part in [self.model]]
+            dcp.load({hf_name(key): value for part in weights for key, value in part.items()},
+                     storage_reader=HuggingFaceStorageReader(args.init_from_hf), process_group=self.checkpoints.group)
+            for part, part_weights in zip([self.model], weights):
+                set_model_state_dict(part, part_weights)
             self.log(f"Starting from {args.init_from_hf} (Hugging Face's format)")
 
     def log(self, text):
@@ -128,6 +121,7 @@ class Trainer:
         with loss_parallel():  # the cross-entropy of logits split over the vocabulary, forward and backward
             loss = self.loss(self.model(source), targets)
             loss.backward()
+        settle_grads([self.model])
         self.optimizer.step()
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
@@ -216,6 +210,16 @@ def apply_tp(model, tp_mesh):
         })
 
 
+def settle_grads(parts):
+    """The norms' weight gradients come out of backward as partial sums (each tp rank's slice of the sequence), the
+    embedding's whole: each to its parameter's layout once, before the optimizer, which would otherwise all-reduce
+    the partial sums at each of its uses (three for AdamW)."""
+    for part in parts:
+        for p in part.parameters():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+
+
 def holdings(part, names, mesh, total):
     """What this rank holds: its parts, its share of the parameters, and its piece of the first layer's
     q_proj.weight (split over tp)."""
@@ -229,25 +233,22 @@ def holdings(part, names, mesh, total):
 
 def collective_lines(counts, model):
     """Layer by layer, the collectives each one issued forward and backward (CommDebugMode's counts, keyed by the
-    module's path from the model's class name), and what the rest of the model issued."""
+    module's path from the model's class name), and what the rest of the step issued: the embedding's, the head's,
+    the loss's and the gradients' settling."""
     root, depth = type(model).__name__, len(model.layers)
 
-    def issued(prefix, phase):
-        found = {}
-        for name, phases in counts.items():
-            if name == prefix:
-                for op, n in phases[phase].items():
-                    found[str(op).split(".")[-1]] = found.get(str(op).split(".")[-1], 0) + n
+    def ops(name, phase):
+        return {str(op).split(".")[-1]: n for op, n in counts.get(name, {}).get(phase, {}).items() if n}
+
+    def said(found):
         return ", ".join(f"{op} x{n}" for op, n in sorted(found.items()) if n) or "none"
 
-    def total(name, phase):
-        return sum(counts.get(name, {}).get(phase, {}).values())
-
-    lines = [f"Layer {i} | forward {issued(f'{root}.layers.{i}', 'forward')} | backward "
-             f"{issued(f'{root}.layers.{i}', 'backward')}" for i in range(depth)]
-    rest = {phase: total("Global", phase) - sum(total(f"{root}.layers.{i}", phase) for i in range(depth))
+    layers = [{phase: ops(f"{root}.layers.{i}", phase) for phase in ("forward", "backward")} for i in range(depth)]
+    rest = {phase: {op: n - sum(layer[phase].get(op, 0) for layer in layers) for op, n in ops("Global", phase).items()}
             for phase in ("forward", "backward")}
-    lines.append(f"Outside the layers | forward {rest['forward'] or 'none'} | backward {rest['backward'] or 'none'}")
+    lines = [f"Layer {i} | forward {said(layer['forward'])} | backward {said(layer['backward'])}"
+             for i, layer in enumerate(layers)]
+    lines.append(f"Outside the layers | forward {said(rest['forward'])} | backward {said(rest['backward'])}")
     return "\n".join(lines)
 
 
@@ -326,7 +327,7 @@ def main(args):
     newest = trainer.train(args.total_epochs)
     del trainer, model, optimizer  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()
-    mesh._pg_registry.clear()  # DTensor's caches keep the mesh for good, and it its groups (private: no public way)
+    mesh._pg_registry.clear()  # torch's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
     if rank == 0 and newest and args.sample:  # the whole decoder, read back from the checkpoint just saved
@@ -389,7 +390,7 @@ def check_model(parser, c, tp):
     for name, size in (("--n_heads", c.n_heads), ("--n_kv_heads", c.n_kv_heads), ("--hidden", c.hidden),
                        ("the vocabulary", c.vocab_size), ("--seq_len", c.max_seq_len)):
         if size % tp:
-            parser.error(f"--tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
+            parser.error(f"tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
                          "the MLP's units and the vocabulary, and an equal slice of the sequence")
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from benchmarks import clean_exit, launches
 from conftest import REPO, mpi_env, mpirun_cmd, python_cmd, run, torchrun_cmd
+from language_model import Decoder, DecoderConfig
 from models_and_data import BlockMLP
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -179,18 +180,37 @@ def check_parallel_bytes(data):
     """Every layout's counted bytes against its own formula and mesh: never below the formula (the bytes must
     cross), at most 5% above (gloo's headers); the ranks of one pipeline stage send the same bytes (to 1%: gloo's
     headers differ by a few bytes); nothing sent between steps, nor to the store; each rank sends only to ranks
-    that share a group with it (one mesh coordinate apart; pipeline stages to their neighbours)."""
+    that share a group with it (one mesh coordinate apart; pipeline stages to their neighbours). The speed: each
+    layout's tokens/s from its median step and its Summary line, its model-FLOPs utilization against the
+    machine's matmul peak (6 x parameters + 12 x layers x seq x dim a token), and nd_parallel.py on one process
+    against the plain loop."""
     assert data["backend"] == "gloo" and data["machine"]["cpu_cores"] >= 1
     for n, factors in data["collectives"].items():  # gloo's own, counted: ring all-reduce and all-gather
         n = int(n)
         assert factors["all_reduce"] == pytest.approx(2 * (n - 1) / n, rel=0.01)
         assert factors["all_gather_into_tensor"] == pytest.approx((n - 1) / n, rel=0.01)
         assert factors["reduce_scatter_tensor"] == pytest.approx(2 * (n - 1) / n, rel=0.01)  # as an all-reduce
+    model = data["model"]
+    config = DecoderConfig(**{key: value for key, value in model.items() if key != "parameters"})
+    assert model["parameters"] == sum(p.numel() for p in Decoder(config).parameters())
+    assert data["flops_per_token"] == 6 * model["parameters"] + 12 * config.n_layers * config.max_seq_len * config.dim
+    peak = data["matmul_peak"]
+    assert peak["flops"] == max(peak["threads"] * peak["one_thread_flops"], peak["all_threads_flops"]) > 1e8
+    tokens = data["global_batch_size"] * config.max_seq_len  # a step's
+    single = data["one_process"]
+    for layout in [*data["results"], single]:
+        assert layout["tokens_per_s_steps"] == pytest.approx(tokens / layout["step_s"])
+        assert layout["mfu"] == pytest.approx(layout["tokens_per_s_steps"] * data["flops_per_token"] / peak["flops"])
+        assert 0 < layout["mfu"] < 1 and layout["tokens_per_s_summary"] > 0
+        assert layout["steps_counted"] == data["steps"] - data["warmup_steps"]
+    for summary in [layout["summary"] for layout in data["results"]] + single["summaries"]:
+        assert summary.startswith("Summary: epochs 1 | steps ") and f"| steps {data['steps']} |" in summary
+    assert len(single["summaries"]) == len(single["plain_run_medians_s"]) == single["repeats"]
+    assert single["cost"] == pytest.approx(single["step_s"] / single["plain_step_s"] - 1)
     for layout in data["results"]:
         mesh = layout["mesh"]
         sizes = [mesh[name] for name in ("pp", "dp_replicate", "dp_shard", "tp")]
         assert layout["processes"] == sizes[0] * sizes[1] * sizes[2] * sizes[3]
-        assert layout["steps_counted"] == 2048 // data["global_batch_size"] - data["warmup_steps"]
         assert 0 < layout["step_s"] < 10
 
         def coordinates(rank):
@@ -218,31 +238,39 @@ def check_parallel_bytes(data):
 
 
 def test_parallel_bytes_counts_what_the_formula_says(tmp_path):
-    """benchmarks/parallel_bytes.py --quick: the 2-process layouts (DDP-like, FSDP2, TP, PP) at a global batch of
-    512, each rank's TCP bytes counted by the kernel against the formula, which is checked against the model here:
-    DDP-like sends the gradients' bytes, FSDP2 as much again for its gathers, TP 2 all-reduces of batch x width
-    per block, PP one batch of activations each way."""
+    """benchmarks/parallel_bytes.py --quick: the 2-process layouts (DDP-like, FSDP2, TP, PP, a V-shaped PP) of
+    the decoder, 4 steps each, each rank's TCP bytes counted by the kernel against the formula, which is checked
+    against the model here: DDP-like sends the gradients' bytes, FSDP2 twice that (each layer gathered forward and
+    backward, the gradients reduce-scattered); TP per layer 4 all-gathers and 4 reduce-scatters of a [batch, seq,
+    dim] activation, 2 more of each for the embedding and lm_head, 3 all-reduces of one number a token for the
+    loss and 3 of each norm's weight gradient (AdamW's reads); PP one batch of activations each way, V-shaped
+    twice that (each rank runs two stages, both with a neighbour on the other rank)."""
     result = run([sys.executable, REPO / "benchmarks/parallel_bytes.py", "--quick", "--out", tmp_path], cwd=REPO,
-                 timeout=300)
+                 timeout=420)
     data = json.loads((tmp_path / "parallel_bytes.json").read_text())
     assert_machine(data, "gloo", None)
+    assert data["quick"] and data["steps"] == 4
     check_parallel_bytes(data)
-    model = BlockMLP(20, 64, 256, 4)
-    whole = 4 * sum(p.numel() for p in model.parameters())
-    blocks = 4 * sum(p.numel() for p in model.blocks.parameters())
-    expected = {"DDP-like 2": whole, "FSDP2 2": (2 * blocks + (whole - blocks)) / 2 + whole,
-                "TP 2": 2 * 4 * 512 * 64 * 4, "PP 2": 512 * 64 * 4}
+    config = DecoderConfig(dim=32, n_layers=4, n_heads=8, n_kv_heads=4, hidden=64, max_seq_len=16)
+    whole = 4 * sum(p.numel() for p in Decoder(config).parameters())
+    batch, layers = data["global_batch_size"], config.n_layers
+    activation = 4 * batch * config.max_seq_len * config.dim  # [batch, seq, dim] in float32; at 2 ranks a ring
+    tp = ((4 * layers + 2) * (activation / 2 + activation)  # all-gather sends half of it, gloo's reduce-scatter all
+          + 3 * 4 * batch * config.max_seq_len + 3 * (2 * layers + 1) * 4 * config.dim)
+    expected = {"DDP-like 2": whole, "FSDP2 2": 2 * whole, "TP 2": tp, "PP 2": activation,
+                "PP 2, V (zbv)": 2 * activation}
     assert [layout["layout"] for layout in data["results"]] == list(expected)
     for layout in data["results"]:
         for row in layout["ranks"]:
             assert row["formula_bytes"] == pytest.approx(expected[layout["layout"]], abs=2), row
             assert list(row["to"]) == [str(1 - row["rank"])]
     assert_png(tmp_path / "parallel_bytes.png")
-    assert "bytes sent/step" in result.stdout
+    assert "bytes sent/step" in result.stdout and "measured/formula" in result.stdout
+    assert "MFU" in result.stdout and "One process: nd_parallel.py" in result.stdout
 
 
 def test_parallel_bytes_results_agree_with_their_formulas():
-    """The committed run of every layout (2, 4 and 8 processes): the same checks, on what it measured."""
+    """The committed run of every layout (2, 4 and 8 processes, and one): the same checks, on what it measured."""
     data = json.loads((REPO / "benchmarks/results/parallel_bytes.json").read_text())
     assert not data["quick"] and {layout["processes"] for layout in data["results"]} == {2, 4, 8}
     check_parallel_bytes(data)

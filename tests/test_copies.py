@@ -18,7 +18,10 @@ pytestmark = pytest.mark.quick
 EXAMPLES = sorted(p for pattern in ("*.py", "by_feature/*.py", "launch/*.py") for p in REPO.glob(pattern))
 
 # Functions the examples repeat: every definition of the name is one text.
-FUNCTIONS = ("group_store", "check_snapshot_path", "positive_int")
+FUNCTIONS = ("group_store", "check_snapshot_path", "positive_int",
+             # steps 6 to 8 (tensor_parallel.py, pipeline_parallel.py, nd_parallel.py): what they share
+             "device_of", "layout_of", "check_model", "whole_model", "build_stage", "stage_indices", "bubble",
+             "apply_tp", "idle_lines", "settle_grads")
 
 # Blocks inside a function: from the line that matches the first pattern to the one that matches the second, dedented.
 BLOCKS = {

@@ -1,23 +1,33 @@
 """torchdiagnose (the installed console script) on the tutorial's tensor-parallel and pipeline-parallel steps, with one
-rank stalled: the line names the rank, the collective (DTensor's all_reduce and the parallel style and module it
-comes from; for a pipeline, the send or recv that never came and the stage it waits on) and the script's line.
+rank stalled: the line names the rank, the collective (DTensor's all-gather of a layer's sequence-parallel input, or of
+a gradient in backward; for a pipeline, the send or recv that never came and the stage it waits on) and the script's
+line.
 
-The scripts are not edited: the tests' probe (tests/support/sitecustomize.py, DDP_EXAMPLES_PROBE_STALL) makes one
-rank stall in the model's first forward after a given number of optimizer steps (in a pipeline, the stage's forward
-of the step's first micro-batch): sleep (its Python waits: the rank is named alive, idle, at its line), stop (it
-SIGSTOPs itself: named stopped), and backward (it sleeps in the backward of that call). The lines of the scripts are
-found in their text, so that edits elsewhere in them do not break the tests.
+The scripts are not edited, and train language_model.Decoder at SIZES on a few thousand characters of Python's help
+text: the tests' probe (tests/support/sitecustomize.py, DDP_EXAMPLES_PROBE_STALL) makes one rank stall in the first
+DecoderLayer.forward it runs after a given number of optimizer steps (tensor parallelism: layers.0; in a pipeline,
+the stage's first layer, for the step's first micro-batch), once the layer's input has arrived: sleep (its Python
+waits: the rank is named alive, idle, at its line), stop (it SIGSTOPs itself: named stopped), and backward (it sleeps
+in the backward of that call, when the gradient of the layer's output has come). The lines of the scripts are found
+in their text, so that edits elsewhere in them do not break the tests.
 """
 import re
 import threading
 import time
 
 from conftest import BIN, REPO, check_no_abort, clean_env, kill_launched, start
+from language_model import read_text
 
 TIMEOUT = 6  # the tool's --timeout
 HANG_GUARD_S = 180
-SIZES = ["--width", "16", "--hidden", "32", "--depth", "2", "--total_epochs", "20", "--save_every", "1000"]
-BATCH, WIDTH, MICROBATCHES = 256, 16, 4  # the scripts' default global batch and micro-batches; SIZES's width
+# A small decoder: 14 steps an epoch on TEXT_CHARACTERS of text; the stalls come in the first epoch, the second is
+# a margin. No checkpoint is due before the stall, and no sample after it.
+SIZES = ["--dim", "32", "--n_layers", "2", "--n_heads", "4", "--n_kv_heads", "2", "--hidden", "64",
+         "--seq_len", "16", "--global_batch_size", "16", "--log_every", "0", "--sample", "0",
+         "--total_epochs", "2", "--save_every", "1000"]
+BATCH, SEQ, DIM = 16, 16, 32  # SIZES's global batch (sequences), sequence length and width
+MICROBATCHES = 2  # pipeline_parallel.py's default on 2 ranks (1f1b: one a stage)
+TEXT_CHARACTERS = 4000  # of Python's help text (language_model.read_text's default)
 
 def line_of(script, marker):
     """'script:N', the first line of the repository's `script` that holds `marker`."""
@@ -30,8 +40,10 @@ def line_of(script, marker):
 def diagnosed(tmp_path, script, stall, rank, step):
     """Launch `script` on 2 ranks under torchdiagnose with rank `rank` stalled in step `step`: the tool's line
     (exactly one, repeated as the job's last line) once the job has ended, which it must within HANG_GUARD_S."""
+    text = tmp_path / "text.txt"
+    text.write_text(read_text()[0][:TEXT_CHARACTERS], encoding="utf-8")
     cmd = [BIN / "torchdiagnose", "--timeout", TIMEOUT, BIN / "torchrun", "--standalone", "--nproc_per_node=2",
-           REPO / script, *SIZES, "--snapshot_path", tmp_path / "checkpoints"]
+           REPO / script, *SIZES, "--data", text, "--snapshot_path", tmp_path / "checkpoints"]
     env = clean_env(OMP_NUM_THREADS=1, DDP_EXAMPLES_PROBE_STALL=f"{stall}:{rank}:{step}")
     process = start(cmd, tmp_path, env)
     hung = threading.Event()
@@ -54,45 +66,59 @@ def diagnosed(tmp_path, script, stall, rank, step):
     return found[0]
 
 
-def test_tensor_parallel_with_a_stopped_rank_names_dtensors_all_reduce_and_its_module(tmp_path):
-    # Rank 1 stops before its forward of step 12 (epoch 1, of 8 steps): rank 0 waits in block 0's fc2 all-reduce.
+def test_tensor_parallel_with_a_stopped_rank_names_dtensors_all_gather(tmp_path):
+    # Rank 1 stops as its layers.0 begins step 12's forward, the embedding's reduce-scatter done: rank 0 waits in
+    # the all-gather of its slice of the sequence [BATCH, SEQ / 2, DIM] before attention (PrepareModuleInput of
+    # layers.0.self_attn). The tool names that style "a parallel style", with no module: PrepareModuleInput's hook is
+    # a lambda, which it does not read (only the styles whose hooks are functools.partial); either is accepted.
     line = diagnosed(tmp_path, "tensor_parallel.py", "stop", 1, 12)
-    head = (rf"diagnose: collective #\d+ \(all_reduce of \[{BATCH}, {WIDTH}\], DTensor in RowwiseParallel of "
-            rf"blocks\.0\.fc2 at {re.escape(line_of('tensor_parallel.py', 'self.model(source)'))}\) waited more "
-            rf"than --timeout {TIMEOUT}s: rank 1 is stopped by SIGSTOP \(pid \d+, on ")
+    forward = re.escape(line_of("tensor_parallel.py", "self.model(source)"))
+    style = r"(a parallel style|PrepareModuleInput of layers\.0\.self_attn)"
+    head = (rf"diagnose: collective #\d+ \(all_gather of \[{BATCH}, {SEQ // 2}, {DIM}\], DTensor in {style} at "
+            rf"{forward}\) waited more than --timeout {TIMEOUT}s: rank 1 is stopped by SIGSTOP \(pid \d+, on [^)]+\): "
+            rf"it runs nothing until it gets SIGCONT; no torchfrtrace: rank 1 did not answer, so wrote no flight "
+            rf"recorder dump")
     assert re.match(head, line), line
 
 
-def test_tensor_parallel_with_a_rank_stalled_in_backward_names_the_gradients_all_reduce(tmp_path):
-    # Rank 1 sleeps in the backward of step 12: rank 0 waits in the all-reduce of block 1's input gradient.
+def test_tensor_parallel_with_a_rank_stalled_in_backward_names_the_gradients_all_gather(tmp_path):
+    # Rank 1 sleeps in the backward of step 12, as the gradient of layers.0's output comes: rank 0 goes on into
+    # layers.0's backward and waits in its first collective, the all-gather of the MLP's output gradient (the
+    # backward of down_proj's reduce-scatter).
     line = diagnosed(tmp_path, "tensor_parallel.py", "backward", 1, 12)
     backward = re.escape(line_of("tensor_parallel.py", ".backward()"))
-    head = (rf"diagnose: collective #\d+ \(all_reduce of \[{BATCH}, {WIDTH}\], DTensor's gradients in backward\(\) "
-            rf"at {backward}\) waited more than --timeout {TIMEOUT}s: rank 1 did not arrive: it is alive, in its own "
-            rf"code at {backward} \(innermost: sitecustomize\.py:\d+ in <lambda>\), idle")
+    head = (rf"diagnose: collective #\d+ \(all_gather of \[{BATCH}, {SEQ // 2}, {DIM}\], DTensor's gradients in "
+            rf"backward\(\) at {backward}\) waited more than --timeout {TIMEOUT}s: rank 1 did not arrive: it is alive, "
+            rf"in its own code at {backward} \(innermost: sitecustomize\.py:\d+ in <lambda>\), idle: it waits for "
+            rf"something of its own")
     assert re.match(head, line), line
+    assert "flight recorder: `torchfrtrace fr_traces/" in line, line  # both ranks answered
 
 
 def test_pipeline_with_a_stage_stalled_in_python_names_the_recv_that_never_came(tmp_path):
-    # Rank 0 (stage 0) sleeps in the forward of step 10's first micro-batch (epoch 1): stage 1 has finished step 9
-    # and waits for that micro-batch's activations.
+    # Rank 0 (stage 0) sleeps in layers.0's forward of step 10's first micro-batch: stage 1 has finished step 9 and
+    # waits for that micro-batch's activations. Rank 0's innermost frame of the script is the Trainer's timing
+    # wrapper around the stage's forward.
     line = diagnosed(tmp_path, "pipeline_parallel.py", "sleep", 0, 10)
     step = re.escape(line_of("pipeline_parallel.py", "self.schedule.step("))
-    head = (rf"diagnose: p2p recv of \[{BATCH // MICROBATCHES}, {WIDTH}\] from stage 0 \(rank 0\), the activations "
-            rf"for stage 1's forward, at {step} waited more than --timeout {TIMEOUT}s: rank 0 did not send it: it is "
-            rf"alive, in its own code at pipeline_parallel\.py:\d+ \(innermost: sitecustomize\.py:\d+ in "
-            rf"forward_or_stall\), idle")
+    timed = re.escape(line_of("pipeline_parallel.py", "return work(*args, **kwargs)"))
+    head = (rf"diagnose: p2p recv of \[{BATCH // MICROBATCHES}, {SEQ}, {DIM}\] from stage 0 \(rank 0\), the "
+            rf"activations for stage 1's forward, at {step} waited more than --timeout {TIMEOUT}s: rank 0 did not send "
+            rf"it: it is alive, in its own code at {timed} \(innermost: sitecustomize\.py:\d+ in forward_or_stall\), "
+            rf"idle: it waits for something of its own")
     assert re.match(head, line), line
     assert "flight recorder: `torchfrtrace fr_traces/" in line, line  # both ranks answered
 
 
 def test_pipeline_with_a_stopped_stage_names_the_p2p_op_and_the_stage_it_waits_on(tmp_path):
-    # Rank 1 (stage 1) stops in the forward of step 10's first micro-batch, whose activations it has received:
-    # stage 0 waits to send it the next micro-batch's (gloo's send waits for the matching recv), or for the first
-    # one's gradients, as the schedule has it.
+    # Rank 1 (stage 1) stops in layers.1's forward of step 10's first micro-batch, whose activations it has
+    # received: stage 0 waits to send it the next micro-batch's (gloo's send waits for the matching recv), or for
+    # the first one's gradients, as the schedule has it.
     line = diagnosed(tmp_path, "pipeline_parallel.py", "stop", 1, 10)
-    op = (rf"(send of \[{BATCH // MICROBATCHES}, {WIDTH}\] to stage 1 \(rank 1\), stage 0's activations|recv of "
-          rf"\[{BATCH // MICROBATCHES}, {WIDTH}\] from stage 1 \(rank 1\), the gradients for stage 0's backward)")
+    shape = rf"\[{BATCH // MICROBATCHES}, {SEQ}, {DIM}\]"
+    op = (rf"(send of {shape} to stage 1 \(rank 1\), stage 0's activations|recv of {shape} from stage 1 \(rank 1\), "
+          rf"the gradients for stage 0's backward)")
     head = (rf"diagnose: p2p {op}, at {re.escape(line_of('pipeline_parallel.py', 'self.schedule.step('))} waited "
-            rf"more than --timeout {TIMEOUT}s: rank 1 is stopped by SIGSTOP \(pid \d+, on ")
+            rf"more than --timeout {TIMEOUT}s: rank 1 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs nothing "
+            rf"until it gets SIGCONT; no torchfrtrace: rank 1 did not answer, so wrote no flight recorder dump")
     assert re.match(head, line), line

@@ -15,6 +15,7 @@ import torch
 from conftest import (REPO, assert_one_line_error, epoch_losses, gpu_env, load_snapshot, mpi_env, mpirun_cmd,
                       python_cmd, run, summary, torchrun_cmd)
 from test_fault_tolerant import start_lighthouse
+from language_model import read_text
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="needs CUDA GPUs: torch sees none on this machine")
@@ -101,9 +102,10 @@ ND_LAYOUTS = [(dp, tp, pp) for dp, tp, pp in [(1, 1, 1), (1, 2, 1), (2, 2, 1), (
                          + [("nd_parallel.py", ("--dp", dp, "--tp", tp, "--pp", pp), dp * tp * pp)
                             for dp, tp, pp in ND_LAYOUTS])
 def test_tensor_pipeline_and_nd_parallel_train_and_resume_on_the_gpu(tmp_path, script, args, world_size):
-    """DTensor's all-reduces, the pipeline's sends and FSDP's collectives on NCCL; a checkpoint written from the
-    GPUs loads back onto them."""
-    args = [*map(str, args), "--global_batch_size", "512"]
+    """DTensor's all-gathers and reduce-scatters (sequence parallelism) and loss_parallel, the pipeline's sends and
+    FSDP's collectives on NCCL, training the decoder; a checkpoint written from the GPUs loads back onto them."""
+    (tmp_path / "text.txt").write_text(read_text()[0][:20000])
+    args = [*map(str, args), "--data", "text.txt", "--sample", "40"]
     first = run(torchrun_cmd(script, *args, "--total_epochs", "2", nproc=world_size), cwd=tmp_path,
                 env=gpu_env()).stdout
     assert_trained_on_nccl(first, world_size)
@@ -111,6 +113,7 @@ def test_tensor_pipeline_and_nd_parallel_train_and_resume_on_the_gpu(tmp_path, s
                  env=gpu_env()).stdout
     assert re.search(r"Resuming from \S+ at epoch 2", second), second[-3000:]
     assert summary(second).backend == "nccl" and len(epoch_losses(second)) == 1, second[-3000:]
+    assert re.search(r'^Sample: "The .+"$', second, re.M), second[-3000:]
 
 
 def test_ddp_py_compares_dataparallel_with_ddp(tmp_path):

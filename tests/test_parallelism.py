@@ -1,18 +1,22 @@
-"""tensor_parallel.py, pipeline_parallel.py and nd_parallel.py under torchrun on gloo, 2, 4 and 8 processes: what each
-rank holds and which collectives the blocks run; the same numbers as one process; checkpoints that resume in any
-layout, from any of the three scripts; a checkpoint killed mid-save never loaded; bad input in one line.
+"""tensor_parallel.py, pipeline_parallel.py and nd_parallel.py training the decoder under torchrun on gloo, at 1, 2,
+4 and 8 processes: what each rank holds and which collectives the layers run; the same numbers as one process in
+every layout and pipeline schedule; each script resuming each one's checkpoints; a checkpoint killed mid-save never
+loaded; Hugging Face out (transformers loads an export, logits equal) and in (a checkpoint transformers wrote trains
+on in a split layout); bad input in one line.
 
-The one-process reference is computed here, in this process, with plain torch (no torch.distributed): BlockMLP, SGD
-with momentum, the mean squared error of each step's samples, in float64, over the same global batches (the
-epoch's order is torch.randperm seeded with seed + epoch, as fsdp_checkpoint.GlobalOrderSampler cuts it).
-Checkpoints are read back with DCP's own converter, not with the scripts.
+The one-process reference is computed here, in this process, with plain torch (no torch.distributed): the Decoder,
+AdamW, the mean cross-entropy of each step's tokens, in float64, over the same global batches (the epoch's order is
+torch.randperm seeded with seed + epoch, as fsdp_checkpoint.GlobalOrderSampler cuts it). Checkpoints are read back
+with DCP's own converter, not with the scripts.
 
-Tolerance: the parallel runs add the same numbers in another order: TP's all-reduce sums fc2's partial products
-rank by rank, not inside one matmul; FSDP sums the data-parallel ranks' gradients and divides by dp; a pipeline adds
-the micro-batches' gradients one by one. Each step's rounding therefore differs in the last bits of float64 (about
-1e-16 relative); over these runs' 24 steps the weights and momentum stay within WEIGHT_TOL = 1e-10 of one process's
-(measured: 1e-16 to 3e-16), while a wrong batch, a lost shard or a gradient scaled by dp is off by more than 1e-4. The
-printed epoch losses have 6 decimals: LOSS_TOL = 1e-6.
+Tolerance: the parallel runs add the same numbers in another order: TP sums o_proj's and down_proj's partial
+products rank by rank, and the norms' weight gradients slice by slice of the sequence; FSDP sums the data-parallel
+ranks' gradients and divides by dp; a pipeline adds the micro-batches' gradients one by one. Each step's rounding
+differs in the last bits of float64 (about 1e-16 relative), and AdamW divides by the root of the squared
+gradients' average, which keeps the difference relative. Over these runs (4 steps an epoch) the weights and
+AdamW's first moment stay within WEIGHT_TOL = 1e-10 of one process's (measured: at most about 1e-16 to 1e-15),
+while a wrong batch, a lost shard or a gradient scaled by dp is off by more than 1e-4. The printed epoch losses
+have 6 decimals: LOSS_TOL = 1e-6.
 """
 import json
 import re
@@ -28,47 +32,60 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from conftest import (BIN, REPO, assert_one_line_error, clean_env, epoch_lines, finish, run, start, summary,
                       torchrun_cmd)
 import fsdp_checkpoint as checkpoint_dir
-from models_and_data import BlockMLP, regression_dataset
+from language_model import Decoder, DecoderConfig, hf_name, read_text, text_splits
 
-GLOBAL_BATCH = 512  # 4 steps an epoch: the scripts' step costs most on a CPU, not the samples
-F64 = ("--dtype", "float64", "--global_batch_size", str(GLOBAL_BATCH), "--save_every", "1",
-       "--snapshot_path", "checkpoints")
+CONFIG = DecoderConfig(dim=32, n_layers=4, n_heads=8, n_kv_heads=4, hidden=64, max_seq_len=16)  # tp 4 splits it
+TEXT_CHARS = 1200  # 67 windows of 16 bytes to train on: 4 steps of 16 sequences an epoch
+GLOBAL_BATCH = 16
+SIZES = ("--dim", "32", "--n_layers", "4", "--n_heads", "8", "--n_kv_heads", "4", "--hidden", "64", "--seq_len", "16")
+F64 = ("--dtype", "float64", "--global_batch_size", str(GLOBAL_BATCH), "--save_every", "1", "--log_every", "0",
+       "--sample", "0", "--snapshot_path", "checkpoints", "--data", "text.txt", *SIZES)
 WEIGHT_TOL = 1e-10
 LOSS_TOL = 1e-6
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def reference_run(epochs, seed=0):
-    """One process, no torch.distributed: [(epoch loss, weights, momentum buffers) after each epoch]."""
-    torch.manual_seed(seed)
-    x, y = (t.double() for t in regression_dataset(2048, seed=seed).tensors)
-    model = BlockMLP(input_size=20).double()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+def the_text():
+    return read_text()[0][:TEXT_CHARS]
+
+
+def reference_run(epochs, initial=None, seed=0):
+    """One process, no torch.distributed: [(epoch loss a token, weights, AdamW's exp_avg) after each epoch]."""
+    dataset, _ = text_splits(the_text(), CONFIG.max_seq_len)
+    size = len(dataset) // GLOBAL_BATCH * GLOBAL_BATCH  # whole steps, as the scripts train
+    model = Decoder(CONFIG).init_weights(seed).double()
+    if initial is not None:
+        model.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     names = {p: name for name, p in model.named_parameters()}
     after = []
     for epoch in range(epochs):
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))
-        squared = 0.0
-        for start_ in range(0, len(x), GLOBAL_BATCH):
-            batch = order[start_:start_ + GLOBAL_BATCH]
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
+        total = 0.0
+        for start_ in range(0, size, GLOBAL_BATCH):
+            source, targets = dataset[order[start_:start_ + GLOBAL_BATCH].tolist()]
             optimizer.zero_grad()
-            loss = F.mse_loss(model(x[batch]), y[batch], reduction="sum")
-            (loss / len(batch)).backward()
+            loss = F.cross_entropy(model(source).flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
+            loss.backward()
             optimizer.step()
-            squared += loss.item()
-        momentum = {names[p]: state["momentum_buffer"].clone() for p, state in optimizer.state.items()}
-        after.append((squared / len(x), {k: v.clone() for k, v in model.state_dict().items()}, momentum))
+            total += loss.item() * GLOBAL_BATCH
+        moment = {names[p]: state["exp_avg"].clone() for p, state in optimizer.state.items()}
+        after.append((total / size, {k: v.clone() for k, v in model.state_dict().items()}, moment))
     return after
+
+
+def single_threaded(work):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the launches run (OMP_NUM_THREADS=1); OpenMP's spinning threads cost more here
+    try:
+        return work()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the launches run (OMP_NUM_THREADS=1); OpenMP's spinning threads cost more here
-    try:
-        return reference_run(6)
-    finally:
-        torch.set_num_threads(threads)
+    return single_threaded(lambda: reference_run(len(MATRIX) + 1))
 
 
 def newest(checkpoints):
@@ -83,16 +100,16 @@ def full_state(checkpoint, tmp_path):
 
 
 def assert_matches_reference(state, reference, epochs, what):
-    """A checkpoint's weights and momentum against one process's after `epochs` epochs."""
-    _, weights, momentum = reference[epochs - 1]
+    """A checkpoint's weights and AdamW's first moment against one process's after `epochs` epochs."""
+    _, weights, moment = reference[epochs - 1]
     assert state["model"].keys() == weights.keys(), (what, sorted(state["model"]))
     for name, weight in weights.items():
         assert state["model"][name].dtype == torch.float64, (what, name)
         difference = (state["model"][name] - weight).abs().max().item()
         assert difference <= WEIGHT_TOL, f"{what}: {name} differs from one process's by {difference}"
-        difference = (state["optimizer"][f"state.{name}.momentum_buffer"] - momentum[name]).abs().max().item()
-        assert difference <= WEIGHT_TOL, f"{what}: {name}'s momentum differs from one process's by {difference}"
-    initial = BlockMLP(input_size=20).state_dict()
+        difference = (state["optimizer"][f"state.{name}.exp_avg"] - moment[name]).abs().max().item()
+        assert difference <= WEIGHT_TOL, f"{what}: {name}'s exp_avg differs from one process's by {difference}"
+    initial = Decoder(CONFIG).init_weights(0).state_dict()
     assert any((initial[n].double() - w).abs().max() > 1e-3 for n, w in weights.items()), "it must have trained"
 
 
@@ -104,7 +121,7 @@ def assert_losses_match(out, reference, epochs, what):
 
 
 def launch(script, *args, nproc, cwd, check=True):
-    result = run(torchrun_cmd(script, *args, nproc=nproc), cwd=cwd, env=clean_env(**ENV), timeout=240, check=check)
+    result = run(torchrun_cmd(script, *args, nproc=nproc), cwd=cwd, env=clean_env(**ENV), timeout=300, check=check)
     return result.stdout + result.stderr if check else result
 
 
@@ -115,8 +132,8 @@ import torch.distributed.checkpoint.filesystem as filesystem
 write_item = filesystem._write_item
 
 def dying_write(transforms, stream, *args):
-    # Rank 1, while it writes its part of the epoch-3 checkpoint: half a file, then a real SIGKILL.
-    if os.environ["RANK"] == "1" and "epoch_000003.tmp" in stream.name:
+    # Rank 1, while it writes its part of the epoch-{epoch} checkpoint: half a file, then a real SIGKILL.
+    if os.environ["RANK"] == "1" and "epoch_{epoch:06d}.tmp" in stream.name:
         stream.write(b"half a shard")
         stream.flush()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -127,91 +144,133 @@ sys.argv[0] = {script!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
+# ---- the resume matrix: each script resumes each one's checkpoints, an epoch a launch, a new layout each ----
+
+T, P, N = "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py"
+# (script, processes, flags, the layout it prints): T->T, T->P, P->P, P->T (pp 4 into TP), T->N, N->N, N->P, P->N,
+# N->T, each resume once; every pipeline schedule torch ships; FSDP, HSDP, FSDP x TP x PP.
+MATRIX = [
+    (T, 2, (), "tp 2"),
+    (T, 4, (), "tp 4"),
+    (P, 2, ("--schedule", "interleaved_1f1b"), "pp 2"),
+    (P, 4, ("--schedule", "gpipe"), "pp 4"),
+    (T, 2, (), "tp 2"),
+    (N, 4, ("--dp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x tp 2"),
+    (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x tp 1"),
+    (P, 2, ("--schedule", "zbv"), "pp 2"),
+    (N, 4, ("--pp", "2", "--tp", "2", "--schedule", "interleaved_zb"), "pp 2 x dp_replicate 1 x dp_shard 1 x tp 2"),
+    (T, 1, (), "tp 1"),
+]
+
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    """One run, its layout changed at every launch, all in float64 on one --snapshot_path: tp 2 (epoch 0); pp 2 1F1B
-    (epochs 1 and 2), SIGKILLed while saving after epoch 2; pp 2 GPipe, which resumes from epoch 2's checkpoint and
-    trains epoch 2 again; HSDP, 2 replicas of 2 shards (epoch 3). The outputs, what the checkpoint directory held
-    after each launch, and the newest checkpoint's full state after each."""
-    directory = tmp_path_factory.mktemp("layouts")
+def matrix(tmp_path_factory):
+    """MATRIX, an epoch a launch, all in float64 on one --snapshot_path; between the second and the third launch,
+    pipeline_parallel.py with DualPipeV trains epoch 2 and is SIGKILLed while saving it, so that the third launch
+    resumes from epoch 2's checkpoint. [(output, the directory's listing, the newest checkpoint's full state, its
+    path)]."""
+    directory = tmp_path_factory.mktemp("matrix")
     states = tmp_path_factory.mktemp("states")
+    (directory / "text.txt").write_text(the_text())
     checkpoints = directory / "checkpoints"
-    seen = {"dir": directory}
+    found = []
 
-    def after(name):
-        seen[name]["listing"] = sorted(p.name for p in checkpoints.iterdir())
-        seen[name]["newest"] = newest(checkpoints)
-        seen[name]["state"] = full_state(seen[name]["newest"], states)
+    def after(out):
+        path = newest(checkpoints)
+        found.append((out, sorted(p.name for p in checkpoints.iterdir()), full_state(path, states), path))
 
-    seen["tp"] = {"out": launch("tensor_parallel.py", "--total_epochs", "1", *F64, nproc=2, cwd=directory)}
-    after("tp")
-    (directory / "killer.py").write_text(KILLER.format(repo=str(REPO), script=str(REPO / "pipeline_parallel.py")))
-    job = start([BIN / "torchrun", "--standalone", "--nproc_per_node=2", directory / "killer.py", "--total_epochs", "3",
-                 *F64], cwd=directory, env=clean_env(**ENV))
-    seen["killed"] = {"out": finish(job, 240), "returncode": job.returncode}
-    after("killed")
-    seen["pp"] = {"out": launch("pipeline_parallel.py", "--total_epochs", "3", "--schedule", "gpipe", *F64, nproc=2,
-                                cwd=directory)}
-    after("pp")
-    seen["hsdp"] = {"out": launch("nd_parallel.py", "--total_epochs", "4", "--dp", "4", "--dp_replicate", "2", *F64,
-                                  nproc=4, cwd=directory)}
-    after("hsdp")
-    return seen
+    for epoch, (script, nproc, flags, _) in enumerate(MATRIX):
+        if epoch == 2:
+            (directory / "killer.py").write_text(KILLER.format(repo=str(REPO), script=str(REPO / P), epoch=3))
+            job = start([BIN / "torchrun", "--standalone", "--nproc_per_node=2", directory / "killer.py",
+                         "--total_epochs", "3", "--schedule", "dualpipev", *F64], cwd=directory, env=clean_env(**ENV))
+            out = finish(job, 300)
+            assert job.returncode != 0 and "SIGKILL" in out, out[-3000:]
+            after(out)
+        after(launch(script, "--total_epochs", epoch + 1, *flags, *F64, nproc=nproc, cwd=directory))
+    return found
 
 
-def test_tensor_parallel_prints_each_ranks_pieces_and_the_collectives_it_counted(layouts):
-    out = layouts["tp"]["out"]
-    assert "Mesh tp 2 | global batch 512, all of it on every rank" in out, out[-3000:]
-    for rank in (0, 1):  # fc1 split by its output rows (ColwiseParallel), fc2 by its input columns (RowwiseParallel)
-        assert (f"Rank {rank} holds fc1.weight [128, 64] of [256, 64] | fc1.bias [128] of [256] | fc2.weight [64, 128] "
-                f"of [64, 256] | fc2.bias [64] of [64] in each block; the rest whole: 68,353 of 134,401 parameters"
-                ) in out, out[-3000:]
-    # Counted by CommDebugMode in the first step: fc2's partial sums all-reduced forward, fc1's input gradient
-    # backward; nothing outside the blocks (the rest is whole on every rank).
-    blocks = re.findall(r"^Block (\d) \| forward (.*) \| backward (.*)$", out, re.M)
-    assert blocks == [(str(i), "fc2 all_reduce x1", "fc1 all_reduce x1") for i in range(4)], out[-3000:]
-    assert "Outside the blocks | forward none | backward none" in out
+def matrix_run(matrix, epoch):
+    """(output, listing, state, path) of the launch that trained `epoch` (the killed run sits before epoch 2's)."""
+    return matrix[epoch + (epoch >= 2)]
+
+
+def test_tensor_parallel_prints_each_ranks_pieces_and_the_collectives_it_counted(matrix):
+    out = matrix_run(matrix, 0)[0]
+    assert "Mesh tp 2 | global batch 16, all of it on every rank" in out, out[-3000:]
+    total = sum(p.numel() for p in Decoder(CONFIG).parameters())
+    for rank in (0, 1):  # every part on every rank, a half of each: q_proj split by its output rows
+        assert (f"Rank {rank} | embed_tokens, layers.0, layers.1, layers.2, layers.3, norm, lm_head | "
+                f"{(total - 9 * 32) // 2 + 9 * 32:,} of {total:,} parameters | layers.0.self_attn.q_proj.weight "
+                "[16, 32] of [32, 32]") in out, out[-3000:]
+    # Counted by CommDebugMode in the first step: sequence parallelism all-gathers the sequence before attention
+    # and the MLP and reduce-scatters their outputs, forward; the reverse backward.
+    layers = re.findall(r"^Layer (\d) \| forward (.*) \| backward (.*)$", out, re.M)
+    both = "all_gather_into_tensor x2, reduce_scatter_tensor x2"
+    assert layers == [(str(i), both, both) for i in range(4)], out[-3000:]
     assert (summary(out).world_size, summary(out).backend) == (2, "gloo")
 
 
-def test_pipeline_stages_keep_the_full_names_and_report_their_idle_time(layouts):
-    out = layouts["pp"]["out"]
-    assert "Mesh pp 2 | schedule GPipe | 4 micro-batches of 128 | global batch 512" in out, out[-3000:]
-    assert "Stage 0 (rank 0) holds inp, blocks.0, blocks.1: 67,776 of 134,401 parameters" in out
-    assert "Stage 1 (rank 1) holds blocks.2, blocks.3, norm, out: 66,625 of 134,401 parameters" in out
-    idle = re.findall(r"^Stage (\d) \| idle ([\d.]+)% of a step, measured \| bubble \(p-1\)/\(m\+p-1\) = ([\d.]+)%, "
-                      r"textbook$", out, re.M)
-    assert [stage for stage, _, _ in idle] == ["0", "1"], out[-3000:]
-    for _, measured, textbook in idle:
-        assert textbook == "20.0" and 0 <= float(measured) < 100  # (2-1)/(4+2-1)
-    # Each stage wrote its own parameters, under the full model's names, into its own file.
-    metadata = FileSystemReader(layouts["pp"]["newest"]).read_metadata()
+def test_pipeline_stages_keep_the_full_names_and_report_their_idle_time(matrix):
+    out = matrix_run(matrix, 3)[0]
+    assert "Mesh pp 4 | 16 sequences in 4 micro-batches | global batch 16 | schedule gpipe" in out, out[-3000:]
+    parts = ["embed_tokens, layers.0", "layers.1", "layers.2", "layers.3, norm, lm_head"]
+    for stage, names in enumerate(parts):
+        assert re.search(rf"^Rank {stage} \| stage {stage}: {names} \| [\d,]+ of [\d,]+ parameters$", out, re.M), out
+    idle = re.findall(r"^Rank (\d) \| stage (\d) \| idle ([\d.]+)% of a step, measured \| bubble \(p-1\)/\(m\+p-1\) = "
+                      r"([\d.]+)%, textbook$", out, re.M)
+    assert [rank for rank, _, _, _ in idle] == ["0", "1", "2", "3"], out[-3000:]
+    for _, _, measured, textbook in idle:
+        assert textbook == "42.9" and 0 <= float(measured) < 100  # (4-1)/(4+4-1)
+    # V-shaped: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2; each stage wrote its own parameters, under the
+    # full model's names, into its rank's file.
+    out = matrix_run(matrix, 7)[0]
+    assert re.search(r"^Rank 0 \| stage 0: embed_tokens, layers.0 \| .* \| stage 3: layers.3, norm, lm_head \|", out,
+                     re.M), out[-3000:]
+    assert re.search(r"^Rank 1 \| stages 1, 2 \| idle [\d.]+% of a step, measured \| bubble near 0", out, re.M), out
+    metadata = FileSystemReader(matrix_run(matrix, 7)[3]).read_metadata()
     files = {}
     for index, info in metadata.storage_data.items():
         if index.fqn.startswith("model."):
-            files.setdefault(info.relative_path, set()).add(index.fqn.split(".")[1])
-    assert files == {"__0_0.distcp": {"inp", "blocks"}, "__1_0.distcp": {"blocks", "norm", "out"}}, files
+            files.setdefault(info.relative_path, set()).add(".".join(index.fqn.split(".")[1:3]))
+    assert files == {"__0_0.distcp": {"embed_tokens.weight", "layers.0", "layers.3", "norm.weight", "lm_head.weight"},
+                     "__1_0.distcp": {"layers.1", "layers.2"}}, files
 
 
-def test_every_layout_trains_the_numbers_of_one_process(layouts, reference):
-    assert_losses_match(layouts["tp"]["out"], reference, [0], "tp 2")
-    assert_losses_match(layouts["killed"]["out"], reference, [1, 2], "pp 2, 1F1B")
-    assert_losses_match(layouts["pp"]["out"], reference, [2], "pp 2, GPipe, resumed")
-    assert_losses_match(layouts["hsdp"]["out"], reference, [3], "HSDP 2 x 2, resumed")
-    assert "Mesh pp 1 x dp_replicate 2 x dp_shard 2 x tp 1 |" in layouts["hsdp"]["out"]
-    for name, epochs in (("tp", 1), ("killed", 2), ("pp", 3), ("hsdp", 4)):
-        assert_matches_reference(layouts[name]["state"], reference, epochs, name)
+def test_each_script_resumes_each_ones_checkpoints_as_one_uninterrupted_process(matrix, reference):
+    for epoch, (script, _, _, layout) in enumerate(MATRIX):
+        out, _, state, _ = matrix_run(matrix, epoch)
+        what = f"{script} {layout} (epoch {epoch})"
+        assert f"Mesh {layout} |" in out, (what, out[-3000:])
+        if epoch:
+            _, processes, _, saved = MATRIX[epoch - 1]
+            assert (f"Resuming from checkpoints/epoch_{epoch:06d} at epoch {epoch}, saved as {saved} on {processes} "
+                    "process") in out, (what, out[-3000:])
+        assert_losses_match(out, reference, [epoch], what)
+        assert_matches_reference(state, reference, epoch + 1, what)
 
 
-def test_a_checkpoint_killed_mid_save_is_never_loaded(layouts):
-    killed = layouts["killed"]
-    assert killed["returncode"] != 0 and "SIGKILL" in killed["out"], killed["out"][-3000:]
-    assert killed["listing"] == ["epoch_000001", "epoch_000002", "epoch_000003.tmp"], killed["listing"]
-    out = layouts["pp"]["out"]
-    assert "Resuming from checkpoints/epoch_000002 at epoch 2, saved as pp 2 on 2 processes" in out, out[-3000:]
-    assert layouts["pp"]["listing"] == ["epoch_000002", "epoch_000003"], "the .tmp removed, the two newest kept"
-    assert "Resuming from checkpoints/epoch_000003 at epoch 3, saved as pp 2 on 2 processes" in layouts["hsdp"]["out"]
+def test_a_checkpoint_killed_mid_save_is_never_loaded(matrix, reference):
+    """pipeline_parallel.py (DualPipeV) SIGKILLed on rank 1 while it wrote epoch 3's checkpoint: the next launch
+    resumes from epoch 2's, and removes the half-written one."""
+    killed_out, listing, _, _ = matrix[2]
+    assert listing == ["epoch_000001", "epoch_000002", "epoch_000003.tmp"], listing  # the killed save's .tmp
+    assert_losses_match(killed_out, reference, [2], "pp 2, DualPipeV, killed while saving")
+    out, listing, _, _ = matrix_run(matrix, 2)
+    assert "Resuming from checkpoints/epoch_000002 at epoch 2, saved as tp 4 on 4 processes" in out, out[-3000:]
+    assert listing == ["epoch_000002", "epoch_000003"], "the .tmp removed, the two newest kept"
+
+
+def test_the_optimizers_settings_are_the_scripts_own_not_the_checkpoints(tmp_path):
+    """A run resumed with another --lr trains on with it (the checkpoint keeps AdamW's moments, not its settings)."""
+    (tmp_path / "text.txt").write_text(the_text())
+    launch(N, "--total_epochs", "1", *F64, nproc=1, cwd=tmp_path)
+    launch(T, "--total_epochs", "2", "--lr", "1e-300", *F64, nproc=1, cwd=tmp_path)
+    first, second = (full_state(tmp_path / "checkpoints" / f"epoch_{e:06d}", tmp_path) for e in (1, 2))
+    for name, weight in first["model"].items():  # lr 1e-300: AdamW's steps vanish in float64, weight decay too
+        assert torch.equal(second["model"][name], weight), name
+        assert second["optimizer"][f"param_groups.{name}.lr"] == 1e-300, name
 
 
 # ---- the layout chain: 3-D on 8 processes, then 2-D, TP alone, FSDP alone, one process, and back to 3-D ----
@@ -228,10 +287,11 @@ def chain(tmp_path_factory):
     """nd_parallel.py, an epoch in each layout of CHAIN, each resumed from the one before: (output, the newest
     checkpoint's full state) of each."""
     directory, states = tmp_path_factory.mktemp("chain"), tmp_path_factory.mktemp("chain-states")
+    (directory / "text.txt").write_text(the_text())
     found = []
     for epoch, (dp, tp, pp) in enumerate(CHAIN):
-        out = launch("nd_parallel.py", "--total_epochs", epoch + 1, "--dp", dp, "--tp", tp, "--pp", pp, *F64,
-                     nproc=dp * tp * pp, cwd=directory)
+        out = launch(N, "--total_epochs", epoch + 1, "--dp", dp, "--tp", tp, "--pp", pp, *F64, nproc=dp * tp * pp,
+                     cwd=directory)
         found.append((out, full_state(newest(directory / "checkpoints"), states)))
     return found
 
@@ -239,26 +299,26 @@ def chain(tmp_path_factory):
 @pytest.mark.slow
 def test_3d_parallel_on_8_processes_places_every_rank_on_the_mesh_and_trains_as_one_process(chain, reference):
     out, state = chain[0]
-    assert ("Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 256 samples a data-parallel rank in 2 micro-batches | "
-            "global batch 512 | schedule 1F1B") in out, out[-3000:]
-    ranks = re.findall(r"^Rank (\d) \| pp (\d) dp_replicate 0 dp_shard (\d) tp (\d) \| ([^|]+) \| ([\d,]+) of 134,401 "
-                       r"parameters \| blocks\.(\d)\.fc1\.weight \[64, 64\] of \[256, 64\]$", out, re.M)
+    assert ("Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 8 sequences a data-parallel rank in 2 micro-batches | "
+            "global batch 16 | schedule 1f1b") in out, out[-3000:]
+    total = sum(p.numel() for p in Decoder(CONFIG).parameters())
+    ranks = re.findall(rf"^Rank (\d) \| pp (\d) dp_replicate 0 dp_shard (\d) tp (\d) \| stage (\d): ([^|]+) \| "
+                       rf"([\d,]+) of {total:,} parameters \| layers\.(\d)\.self_attn\.q_proj\.weight \[8, 32\] of "
+                       r"\[32, 32\]$", out, re.M)
     assert len(ranks) == 8, out[-3000:]
-    stage_parts = ["inp, blocks.0, blocks.1", "blocks.2, blocks.3, norm, out"]
-    for rank, pp, dp, tp, parts, held, block in ranks:
+    stage_parts = ["embed_tokens, layers.0, layers.1", "layers.2, layers.3, norm, lm_head"]
+    for rank, pp, dp, tp, stage, parts, held, layer in ranks:
         # tp innermost, then dp_shard, then pp: rank = (pp * 2 + dp) * 2 + tp
         assert int(rank) == (int(pp) * 2 + int(dp)) * 2 + int(tp), ranks
-        assert parts == stage_parts[int(pp)] and block == str(2 * int(pp)), ranks
-        assert 134401 / 8 * 0.9 < int(held.replace(",", "")) < 134401 / 8 * 1.1, "an eighth of the model each"
+        assert stage == pp and parts.strip() == stage_parts[int(pp)] and layer == str(2 * int(pp)), ranks
+        assert total / 8 * 0.8 < int(held.replace(",", "")) < total / 8 * 1.2, "an eighth of the model each"
     assert (summary(out).world_size, summary(out).backend) == (8, "gloo")
-    assert_losses_match(out, reference, [0], "2x2x2")
-    assert_matches_reference(state, reference, 1, "2x2x2")
 
 
 @pytest.mark.slow
 def test_a_run_resumed_in_every_layout_and_back_trains_as_one_uninterrupted_process(chain, reference):
     """2x2x2 -> 2x2x1 -> 1x4x1 -> 4x1x1 -> one process -> 2x2x2 (dp x tp x pp), an epoch each: every epoch's loss
-    and every checkpoint's weights and momentum are one process's, within the tolerance."""
+    and every checkpoint's weights and first moment are one process's, within the tolerance."""
     for epoch, (out, state) in enumerate(chain):
         what = "x".join(map(str, CHAIN[epoch]))
         if epoch:
@@ -270,15 +330,57 @@ def test_a_run_resumed_in_every_layout_and_back_trains_as_one_uninterrupted_proc
         assert_matches_reference(state, reference, epoch + 1, what)
 
 
+# ---- Hugging Face in and out ----
+
+def test_an_export_loads_in_transformers_with_our_logits(matrix, tmp_path):
+    """The last launch's checkpoint (saved by tensor_parallel.py; the matrix's runs wrote its history in 5
+    layouts) exported, loaded by LlamaForCausalLM.from_pretrained: its logits are the decoder's, in float64, up to
+    Hugging Face's float32 RMSNorm and rotary angles (measured: about 1e-7)."""
+    from transformers import LlamaForCausalLM
+    checkpoint = matrix_run(matrix, len(MATRIX) - 1)[3]
+    result = run([BIN / "python", REPO / "hf_checkpoint.py", checkpoint, tmp_path / "llama"], cwd=tmp_path)
+    assert re.match(rf"Exported {re.escape(str(checkpoint))} \([\d,]+ parameters, float64, saved as tp 1 on 1 "
+                    rf"process\)\nto {re.escape(str(tmp_path / 'llama'))}: LlamaForCausalLM.from_pretrained",
+                    result.stdout), result.stdout
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    ours = checkpoint_dir.load_whole_model(Decoder(CONFIG).double(), checkpoint)
+    tokens = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    assert hf.dtype == torch.float64
+    with torch.no_grad():
+        difference = (hf(tokens).logits - ours(tokens)).abs().max().item()
+    assert difference < 1e-5, difference
+    assert {hf_name(n) for n in ours.state_dict()} == set(hf.state_dict()), "the same names, less model."
+
+
+def test_a_checkpoint_transformers_wrote_trains_on_in_a_split_layout(tmp_path, reference):
+    """LlamaForCausalLM.save_pretrained's folder, loaded by nd_parallel.py as FSDP 2 x TP 2 (each rank reads its
+    pieces from the safetensors file), trains the epoch one process trains from the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_config = {k: v for k, v in CONFIG.hf_config().items() if k not in ("model_type", "architectures")}
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config)).double()
+    hf.save_pretrained(tmp_path / "llama")
+    initial = {name: hf.state_dict()[hf_name(name)] for name in Decoder(CONFIG).state_dict()}
+    expected = single_threaded(lambda: reference_run(1, initial=initial))
+    (tmp_path / "text.txt").write_text(the_text())
+    out = launch(N, "--total_epochs", "1", "--dp", "2", "--tp", "2", "--init_from_hf", "llama", *F64, nproc=4,
+                 cwd=tmp_path)
+    assert "Starting from llama (Hugging Face's format)" in out, out[-3000:]
+    assert_losses_match(out, expected, [0], "from Hugging Face, 2 x 2")
+    assert_matches_reference(full_state(newest(tmp_path / "checkpoints"), tmp_path), expected, 1, "from HF")
+
+
 # ---- bad input: one line, before any work ----
 
 def test_bad_sizes_are_one_line_before_any_work(tmp_path):
     cases = [  # script, arguments, processes, what the line says
-        ("nd_parallel.py", ("--dp", "2", "--tp", "2"), 2, "--dp 2 x --tp 2 x --pp 1 must be the 2 processes"),
-        ("nd_parallel.py", ("--tp", "2", "--hidden", "255"), 2, "--tp 2 does not divide --hidden 255"),
-        ("tensor_parallel.py", ("--hidden", "255"), 2, "2 processes (tp 2) do not divide --hidden 255"),
-        ("pipeline_parallel.py", ("--depth", "1"), 2, "2 processes make 2 stages, more than the 1 blocks"),
-        ("nd_parallel.py", ("--microbatches", "3"), 1, "--dp 1 x --microbatches 3 must divide --global_batch_size 256"),
+        (N, ("--dp", "2", "--tp", "2"), 2, "--dp 2 x --tp 2 x --pp 1 must be the 2 processes"),
+        (N, ("--tp", "2", "--n_kv_heads", "1"), 2, "tp 2 does not divide --n_kv_heads (1)"),
+        (T, ("--n_heads", "3", "--n_kv_heads", "3", "--dim", "96"), 2, "tp 2 does not divide --n_heads (3)"),
+        (T, ("--seq_len", "127",), 2, "tp 2 does not divide --seq_len (127)"),
+        (P, ("--n_layers", "1"), 2, "2 stages (2 processes, schedule 1f1b) are more than the 1 layers"),
+        (P, ("--n_layers", "3", "--schedule", "zbv"), 2, "4 stages (2 processes, schedule zbv) are more than the 3"),
+        (N, ("--microbatches", "3"), 1, "--dp 1 x --microbatches 3 must divide --global_batch_size 32"),
     ]
     jobs = [start(torchrun_cmd(script, *args, nproc=nproc), cwd=tmp_path, env=clean_env(**ENV), merge_output=False)
             for script, args, nproc, _ in cases]
@@ -294,18 +396,19 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
     """A checkpoint as the scripts write it (the full model's names, optimizer state flattened), of the same model
     narrower, with a complete marker."""
-    other = BlockMLP(input_size=20, width=32)
-    optimizer = torch.optim.SGD(other.parameters(), lr=0.01, momentum=0.9)
-    other(torch.randn(2, 20)).sum().backward()
+    other = Decoder(DecoderConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, hidden=64, max_seq_len=16))
+    optimizer = torch.optim.AdamW(other.parameters())
+    other(torch.randint(0, 256, (2, 16))).sum().backward()
     optimizer.step()
     model_state, optimizer_state = get_state_dict(other, optimizer,
                                                   options=StateDictOptions(flatten_optimizer_state_dict=True))
-    checkpoint = tmp_path / "nd_parallel_checkpoints" / "epoch_000001"
+    checkpoint = tmp_path / "checkpoints" / "epoch_000001"
     save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
-    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 1, "position": 0, "steps": 8,
+    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 1, "position": 0, "steps": 4,
                                                                   "world_size": 1}))
+    (tmp_path / "text.txt").write_text(the_text())
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
-    result = launch("nd_parallel.py", "--total_epochs", "2", nproc=1, cwd=tmp_path, check=False)
-    assert_one_line_error(result, "checkpoint nd_parallel_checkpoints/epoch_000001 does not fit this model",
-                          "model.inp.weight is [32, 20], here [64, 20]", code=1)
+    result = launch(N, "--total_epochs", "2", *F64, nproc=1, cwd=tmp_path, check=False)
+    assert_one_line_error(result, "checkpoint checkpoints/epoch_000001 does not fit this model",
+                          "model.embed_tokens.weight is [256, 16], here [256, 32]", code=1)
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before

@@ -26,11 +26,13 @@ LESSON_PACKAGES = {
     "fault_tolerant.py": {"torchft"},
     "diloco.py": {"torchft"},
 }
-# fsdp.py's checkpoint protocol serves the steps after it too (tensor, pipeline and N-D parallelism).
-SIBLINGS = {name: {"models_and_data", "fsdp_checkpoint"}
-            for name in ("fsdp.py", "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py")}
+# fsdp.py's checkpoint protocol serves the steps after it too (tensor, pipeline and N-D parallelism), whose model
+# is the decoder of language_model.py.
+SIBLINGS = {"fsdp.py": {"models_and_data", "fsdp_checkpoint"},
+            **{name: {"language_model", "fsdp_checkpoint"} for name in ("tensor_parallel.py", "pipeline_parallel.py",
+                                                                       "nd_parallel.py", "hf_checkpoint.py")}}
 # diagnose is an installed tool (pip install ./diagnose; requirements-dev.txt), importable anywhere by design.
-REPOSITORY_PACKAGES = ("benchmarks", "models_and_data", "fsdp_checkpoint")
+REPOSITORY_PACKAGES = ("benchmarks", "models_and_data", "fsdp_checkpoint", "language_model")
 
 
 def examples():
@@ -59,13 +61,17 @@ def test_an_example_imports_only_torch_the_standard_library_its_lesson_and_one_m
     assert "sys.path" not in source, f"{name} edits sys.path"
 
 
-def test_the_shared_module_is_small_and_imports_only_torch():
-    path = REPO / "models_and_data.py"
-    assert len(path.read_text().splitlines()) <= 160
+@pytest.mark.parametrize("name, lines", [("models_and_data.py", 160), ("language_model.py", 240)])
+def test_the_shared_modules_are_small_and_import_only_torch(name, lines):
+    path = REPO / name
+    assert len(path.read_text().splitlines()) <= lines
     assert {m for m in imported_modules(path) if m not in sys.stdlib_module_names} == {"torch"}
 
 
 SMALL = ("--input_size", "20", "--epochs", "3")
+# Steps 6 to 8: a small decoder on the first 12,000 characters of the default text (Python's help text here).
+LM = ("--dim", "32", "--n_layers", "2", "--hidden", "64", "--seq_len", "32", "--global_batch_size", "16",
+      "--total_epochs", "3", "--data", "text.txt", "--log_every", "0", "--sample", "40")
 TORCHRUN = (BIN / "torchrun", "--standalone", "--nproc_per_node=2")
 # script: (launcher argv before the script, arguments). The commands of the scripts' docstrings, at a small size.
 COMMANDS = {
@@ -74,9 +80,9 @@ COMMANDS = {
     "multigpu_torchrun.py": (TORCHRUN, ("3", "1")),
     "multinode.py": (TORCHRUN, ("3", "1")),
     "fsdp.py": (TORCHRUN, ("3", "1", "--batch_size", "256")),
-    "tensor_parallel.py": (TORCHRUN, ("3", "1", "--global_batch_size", "512")),
-    "pipeline_parallel.py": (TORCHRUN, ("3", "1", "--global_batch_size", "512")),
-    "nd_parallel.py": (TORCHRUN, ("3", "1", "--tp", "2", "--global_batch_size", "512")),
+    "tensor_parallel.py": (TORCHRUN, LM),
+    "pipeline_parallel.py": (TORCHRUN, LM),
+    "nd_parallel.py": (TORCHRUN, ("--tp", "2", *LM)),
     "torchrun_ddp.py": (TORCHRUN, SMALL),
     "ddp.py": ((sys.executable,), (*SMALL, "--world_size", "2", "--batch_size", "256")),
     "run_with_torchrun.py": (TORCHRUN, ()),
@@ -101,6 +107,9 @@ def copy_alone(name, folder):
         shutil.copytree(MNIST, folder / "mnist")
     if name == "ddp.py":
         shutil.copy(REPO / ".env.example", folder / ".env")
+    if "language_model" in set(imported_modules(REPO / name)):
+        from language_model import read_text
+        (folder / "text.txt").write_text(read_text()[0][:12000])
     return folder / name.split("/")[-1]
 
 
@@ -131,12 +140,15 @@ def test_a_copied_example_runs_its_documented_command_alone(tmp_path, name):
     else:
         lines = epoch_lines(out, "DDP" if name == "ddp.py" else None)
         assert len(lines) == 3 and lines[-1].loss < lines[0].loss, out[-3000:]
+        if "--sample" in args:  # the decoder's last words: the prompt, then 40 bytes it wrote
+            assert re.search(r'^Sample: "The .+"$', out, re.M), out[-3000:]
         assert summary(out).backend in ("gloo", "nccl", "none"), out[-3000:]
     check_no_abort(out, name)
 
 
 def test_every_example_has_a_copy_test():
-    untested = set(examples()) - set(COMMANDS) - {"hangs.py", "fault_tolerant.py", "diloco.py"}  # tests of their own
+    untested = set(examples()) - set(COMMANDS) - {"hangs.py", "fault_tolerant.py", "diloco.py",  # tests of their own
+                                                  "hf_checkpoint.py"}  # test_parallelism's export
     assert not untested, f"examples without a command in COMMANDS: {sorted(untested)}"
 
 

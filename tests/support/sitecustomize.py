@@ -36,10 +36,14 @@ On request, through the environment:
   others, its imports (seconds on a busy machine) running beside their training, and have it join at the point the
   test chooses (DIR/go), or have groups started together join together (N). Started late instead, a group joins
   after its whole start-up: a race with the others' remaining steps (seen: 16 s of 26).
-- DDP_EXAMPLES_PROBE_STALL=HOW:R:N: rank R stalls in models_and_data's BlockMLP.forward, the first call after its
-  N-th optimizer step (tests/test_diagnose_parallel.py, a hang for torchdiagnose to name): HOW=sleep (its Python
-  waits in the forward), stop (it SIGSTOPs itself), backward (it sleeps in the backward of that call). It prints
-  "rank R: stall HOW" first.
+- DDP_EXAMPLES_PROBE_STALL=HOW:R:N: rank R stalls in language_model's DecoderLayer.forward, the first call after
+  its N-th optimizer step (tests/test_diagnose_parallel.py, a hang for torchdiagnose to name): the first layer the
+  rank runs of that step (tensor parallelism: layers.0, whose attention all-gathers its input from the other rank
+  first; a pipeline stage: its first layer, for the step's first micro-batch), once the layer's input has arrived
+  (an input still in flight, as DTensor's AsyncCollectiveTensor, is waited for first: else a stopped rank's stall
+  races its last collective, which the other rank may then wait in). HOW=sleep (its Python waits in the forward),
+  stop (it SIGSTOPs itself), backward (it sleeps in the backward of that call: when the gradient of the layer's
+  output has come). It prints "rank R: stall HOW" first.
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -225,10 +229,11 @@ def patch_mps(module):
 
 
 def patch_stall(module):
-    """DDP_EXAMPLES_PROBE_STALL: wrap BlockMLP.forward so that the chosen rank stalls once, after its N-th step."""
+    """DDP_EXAMPLES_PROBE_STALL: wrap DecoderLayer.forward so that the chosen rank stalls once, in the first layer
+    it runs after its N-th step."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
     how, rank, step = os.environ["DDP_EXAMPLES_PROBE_STALL"].split(":")
-    forward = module.BlockMLP.forward
+    forward = module.DecoderLayer.forward
     steps = [0]
 
     def count(optimizer, args, kwargs):
@@ -240,6 +245,8 @@ def patch_stall(module):
         if steps[0] != int(step) or os.environ.get("RANK") != rank:
             return forward(self, x)
         steps[0] = -1  # once
+        if hasattr(x, "trigger_wait"):  # the input still in flight (tensor parallelism: the embedding's
+            x.trigger_wait()  # reduce-scatter, waited on at its first use): finish it, as the layer's first op would
         say(f"rank {rank}: stall {how}")
         if how == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -250,7 +257,7 @@ def patch_stall(module):
         time.sleep(3600)  # the forward stall
         return forward(self, x)
 
-    module.BlockMLP.forward = forward_or_stall
+    module.DecoderLayer.forward = forward_or_stall
 
 
 def hold(module):
@@ -280,7 +287,7 @@ if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_GPUS"):
 if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_MPS"):
     PATCHES["torch"] = patch_mps
 if os.environ.get("DDP_EXAMPLES_PROBE_STALL"):
-    PATCHES["models_and_data"] = patch_stall
+    PATCHES["language_model"] = patch_stall
 if os.environ.get("DDP_EXAMPLES_HOLD") and "LOCAL_RANK" in os.environ:
     PATCHES[os.environ["DDP_EXAMPLES_HOLD"].split(":")[0]] = hold
 

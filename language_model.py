@@ -1,0 +1,227 @@
+"""The language model of steps 6 to 8: a small Llama-style decoder, the text it learns and its byte tokenizer.
+
+Copy this file beside tensor_parallel.py, pipeline_parallel.py or nd_parallel.py (with fsdp_checkpoint.py): it
+imports nothing but torch and the standard library. The decoder's parameter names are those of transformers'
+LlamaForCausalLM without its "model." prefix, and its numbers the same (tests/test_parallelism.py loads an export
+in transformers and compares the logits): hf_checkpoint.py turns a checkpoint into a folder transformers loads.
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DecoderConfig:
+    """A Llama-style decoder's sizes (steps 6 to 8). The defaults train on a laptop CPU in about a minute."""
+    vocab_size: int = 256  # bytes: ByteTokenizer
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: each key/value head serves n_heads // n_kv_heads query heads
+    hidden: int = 384  # the SwiGLU MLP's width
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048  # the longest sequence the rotary positions are meant for (Hugging Face's config wants it)
+
+    def hf_config(self):
+        """The same model as transformers' LlamaConfig(**this)."""
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": self.vocab_size,
+                "hidden_size": self.dim, "intermediate_size": self.hidden, "num_hidden_layers": self.n_layers,
+                "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
+                "head_dim": self.dim // self.n_heads, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
+                "max_position_embeddings": self.max_seq_len, "tie_word_embeddings": False, "attention_bias": False,
+                "mlp_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+                "bos_token_id": None, "eos_token_id": None}
+
+    @classmethod
+    def from_hf(cls, config):
+        """From a Llama config.json's fields; ValueError names what this decoder does not have."""
+        rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e4)}
+        unsupported = {key: config[key] for key in ("tie_word_embeddings", "attention_bias", "mlp_bias")
+                       if config.get(key)}
+        if rope.get("rope_type", "default") != "default" or config.get("hidden_act", "silu") != "silu":
+            unsupported.update(rope_type=rope.get("rope_type"), hidden_act=config.get("hidden_act"))
+        if config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]) * \
+                config["num_attention_heads"] != config["hidden_size"]:
+            unsupported["head_dim"] = config["head_dim"]
+        if unsupported:
+            raise ValueError(f"this decoder has no {', '.join(f'{k}={v}' for k, v in unsupported.items())}")
+        return cls(vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+                   n_heads=config["num_attention_heads"], n_kv_heads=config.get("num_key_value_heads") or
+                   config["num_attention_heads"], hidden=config["intermediate_size"], rope_theta=rope["rope_theta"],
+                   norm_eps=config["rms_norm_eps"], max_seq_len=config.get("max_position_embeddings", 2048))
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x), times a learned scale per feature (no mean subtracted, no bias), as in Llama."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotary(x, theta):
+    """Rotary positions (RoPE) of x [batch, heads, seq, head_dim], Hugging Face's layout: each feature of the first
+    half turns with its partner in the second half, by an angle that grows with the position."""
+    half = x.shape[-1] // 2
+    frequencies = 1.0 / theta ** (torch.arange(half, device=x.device, dtype=x.dtype) / half)
+    angles = torch.arange(x.shape[-2], device=x.device, dtype=x.dtype)[:, None] * frequencies
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions. Heads are counted from the projections' outputs
+    (view(..., -1, head_dim)): under tensor parallelism a rank's q_proj, k_proj and v_proj give its own heads."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim, self.theta = config.dim // config.n_heads, config.rope_theta
+        self.q_proj = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x):
+        batch, seq = x.shape[:2]
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = rotary(q, self.theta), rotary(k, self.theta)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = SwiGLU(config.dim, config.hidden)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """A Llama-style decoder: token embeddings, layers of attention and MLP, a final norm and the output head.
+    Its parameter names are those of transformers' LlamaForCausalLM without its "model." prefix (hf_name())."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, x):  # a pipeline stage sets the parts it does not own to None: names stay the full model's
+        x = x if self.embed_tokens is None else self.embed_tokens(x)
+        for layer in filter(None, self.layers):
+            x = layer(x)
+        return x if self.lm_head is None else self.lm_head(self.norm(x))
+
+    def init_weights(self, seed):
+        """Every parameter from one generator, in name order: the same weights on every rank and in every layout.
+        Linear layers N(0, 0.02), the output projections scaled by 1/sqrt(2 * layers) (GPT-2's), norms 1."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    values = torch.ones(p.shape)
+                else:
+                    std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(("o_proj.weight",
+                                                                                     "down_proj.weight")) else 0.02
+                    values = torch.randn(p.shape, generator=generator, dtype=torch.float64) * std
+                p.copy_(values.to(p.dtype))
+        return self
+
+
+def hf_name(name):
+    """Our parameter name as LlamaForCausalLM's state dict has it."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+class ByteTokenizer:
+    """Text as its UTF-8 bytes: 256 tokens, nothing to download or train, any text encodes."""
+    vocab_size = 256
+
+    def encode(self, text):
+        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+    def decode(self, tokens):
+        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare", "input.txt")
+
+
+def read_text(path=None):
+    """(text, what it is). path None: data/tinyshakespeare/input.txt where it is (its README says how to get it),
+    else Python's own help text (pydoc_data.topics, English prose in every Python): nothing to download."""
+    if path is None and not os.path.isfile(SHAKESPEARE):
+        from pydoc_data.topics import topics
+        text = "\n".join(topics[key] for key in sorted(topics))
+        return text, (f"Python's help text (pydoc_data), {len(text):,} characters; "
+                      "data/tinyshakespeare/README.md says how to train on Shakespeare")
+    path = path or SHAKESPEARE
+    with open(path, encoding="utf-8") as f:  # a missing or binary file raises here: the script says it in one line
+        text = f.read()
+    return text, f"{os.path.basename(path)}, {len(text):,} characters"
+
+
+class TextWindows(torch.utils.data.Dataset):
+    """The tokens cut into windows of seq_len + 1 (one after another, no overlap): sample i is (tokens[w:w+seq_len],
+    tokens[w+1:w+seq_len+1]), each position's target the token after it. Takes an index or a list of indices."""
+
+    def __init__(self, tokens, seq_len):
+        self.seq_len = seq_len
+        count = (len(tokens) - 1) // seq_len
+        self.inputs = tokens[:count * seq_len].view(count, seq_len)
+        self.targets = tokens[1:count * seq_len + 1].view(count, seq_len)
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.targets[index]
+
+
+def text_splits(text, seq_len, held_out=0.1):
+    """(train, held out) TextWindows of the text's bytes: the last `held_out` of the text is for evaluation."""
+    tokens = ByteTokenizer().encode(text)
+    cut = int(len(tokens) * (1 - held_out))
+    return TextWindows(tokens[:cut], seq_len), TextWindows(tokens[cut:], seq_len)
+
+
+@torch.no_grad()
+def sample(model, prompt, new_tokens, temperature=0.8, seed=0):
+    """Text generated by a whole (unsplit) decoder: the prompt, then new_tokens bytes drawn one at a time."""
+    tokenizer, generator = ByteTokenizer(), torch.Generator().manual_seed(seed)
+    device = model.lm_head.weight.device
+    tokens = tokenizer.encode(prompt).to(device)
+    for _ in range(new_tokens):
+        logits = model(tokens[None, -model.config.max_seq_len:])[0, -1].double().cpu()
+        token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
+        tokens = torch.cat([tokens, token.to(device)])
+    return tokenizer.decode(tokens)

@@ -314,7 +314,7 @@ def settle_grads(parts):
                 p.grad = p.grad.redistribute(placements=p.placements)
 
 
-def holdings(part, names, mesh, total):
+def holdings(part, names, total):
     """What this rank holds of one stage: its parts, its share of the parameters, and its piece of the stage's
     first layer's q_proj.weight (split over tp, then sharded over dp)."""
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in part.parameters())
@@ -343,7 +343,7 @@ def whole_model(state):
 def load_train_objs(args, mesh):
     text, about = read_text(args.data)
     train_set, _ = text_splits(text, args.config.max_seq_len)
-    # The whole decoder on every rank (one seed, the same weights), then each keeps its stages: fine at this size;
+    # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
     model = Decoder(args.config).init_weights(args.seed).to(getattr(torch, args.dtype))
     total = sum(p.numel() for p in model.parameters())
@@ -367,10 +367,11 @@ def load_train_objs(args, mesh):
                 fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
             fully_shard(part, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
         parts.append(part)
-        lines.append(f"stage {index}: {holdings(part, names, mesh, total)}")
+        lines.append(f"stage {index}: {holdings(part, names, total)}")
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
                   for part in parts]
-    return train_set, about, parts, optimizers, " | ".join(lines)
+    where = " ".join(f"{name} {mesh[name].get_local_rank()}" for name in mesh.mesh_dim_names)
+    return train_set, about, parts, optimizers, " | ".join([where, *lines])
 
 
 def main(args):
@@ -435,16 +436,16 @@ def main(args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--total_epochs", "--epochs", type=int, default=1, help="passes over the text (default 1)")
-    parser.add_argument("--save_every", type=int, default=1, help="epochs between checkpoints; the last is saved too")
+    parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=1, help="passes over the text")
+    parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between checkpoints, and the last")
     parser.add_argument("--log_every", type=int, default=25, help="steps between loss lines; 0: once an epoch")
-    parser.add_argument("--dp", type=int, help="data-parallel ranks (default: the processes over tp x pp)")
-    parser.add_argument("--dp_replicate", type=int, default=1, help="HSDP: replicas of the shards, of --dp (default 1)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each layer split over them")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline ranks (2 stages a rank: looped, V)")
+    parser.add_argument("--dp", type=positive_int, help="data-parallel ranks (default: the processes over tp x pp)")
+    parser.add_argument("--dp_replicate", type=positive_int, default=1, help="HSDP: replicas of the shards, of --dp")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks: each layer split over them")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline ranks")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="default 1f1b")
-    parser.add_argument("--microbatches", type=int, help="micro-batches a step (default: the stages)")
-    parser.add_argument("--global_batch_size", type=int, default=32, help="sequences per step over all ranks")
+    parser.add_argument("--microbatches", type=positive_int, help="micro-batches a step (default: the stages)")
+    parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences per step over all ranks")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
     parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
@@ -461,9 +462,9 @@ def parse_args(argv=None):
     defaults = DecoderConfig()
     for name, help_ in (("dim", "the model's width"), ("n_layers", "layers"), ("n_heads", "attention heads"),
                         ("n_kv_heads", "key/value heads"), ("hidden", "the MLP's width")):
-        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{help_} (default "
+        parser.add_argument(f"--{name}", type=positive_int, default=getattr(defaults, name), help=f"{help_} (default "
                             f"{getattr(defaults, name)})")
-    parser.add_argument("--seq_len", type=int, default=128, help="bytes a sequence (default 128)")
+    parser.add_argument("--seq_len", type=positive_int, default=64, help="bytes a sequence (default 64)")
     args = parser.parse_args(argv)
     args.config = DecoderConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                                 n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq_len=args.seq_len)
@@ -474,13 +475,9 @@ def parse_args(argv=None):
         except (OSError, ValueError, KeyError) as error:
             parser.error(f"--init_from_hf {args.init_from_hf}: not a Llama checkpoint this decoder loads ({error})")
         args.config.max_seq_len = args.seq_len
-    args.microbatches = args.microbatches or args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
     c = args.config
-    sizes = (args.dp_replicate, args.tp, args.pp, args.microbatches, args.global_batch_size, c.dim, c.n_layers,
-             c.n_heads, c.n_kv_heads, c.hidden, c.max_seq_len)
-    if min(args.total_epochs, args.save_every, args.timeout, args.lr, *sizes) <= 0 or (args.dp or 1) <= 0:
-        parser.error("--total_epochs, --save_every, --timeout, --lr, the mesh's sizes, --microbatches, "
-                     "--global_batch_size and the model's sizes must be positive")
+    if args.timeout <= 0 or args.lr < 0:
+        parser.error("--timeout must be positive, --lr not negative")
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     world_size = int(os.environ["WORLD_SIZE"])
@@ -493,6 +490,7 @@ def parse_args(argv=None):
         parser.error(f"--dp_replicate {args.dp_replicate} must divide --dp {args.dp}: dp = dp_replicate x dp_shard")
     check_model(parser, c, args.tp)
     stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
+    args.microbatches = args.microbatches or stages  # default: a micro-batch a stage
     if stages > c.n_layers:
         parser.error(f"{stages} stages (--pp {args.pp}, schedule {args.schedule}) are more than the {c.n_layers} "
                      "layers: each stage needs one")
@@ -515,6 +513,12 @@ def check_model(parser, c, tp):
         if size % tp:
             parser.error(f"tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
                          "the MLP's units and the vocabulary, and an equal slice of the sequence")
+
+
+def positive_int(text):
+    if not text.lstrip("-").isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return int(text)
 
 
 def group_store(rank, world_size, timeout):

@@ -2,16 +2,18 @@
 
     torchrun --standalone --nproc_per_node=2 pipeline_parallel.py                          # 2 stages
     torchrun --standalone --nproc_per_node=2 pipeline_parallel.py --schedule zbv           # 2 stages a rank
+    torchrun --standalone --nproc_per_node=4 pipeline_parallel.py --tp 2                   # 2 stages, each over tp 2
 
 Each rank builds the whole decoder and drops (sets to None) what its stages do not own, as torchtitan does: the
 kept layers keep their names. Each global batch is cut into --microbatches; a stage receives a micro-batch's
 activations from the one before, sends its output on, and the gradients come back the same way. --schedule takes
 each schedule torch ships: gpipe and 1f1b (a stage a rank), interleaved_1f1b and interleaved_zb (stages r and
-r + p), zbv and dualpipev (stages r and 2p - 1 - r). It prints what each rank holds, the loss, each rank's idle
-time beside its schedule's bubble, and a sample:
+r + p), zbv and dualpipev (stages r and 2p - 1 - r). With --tp T each stage's layers are split over T ranks as in
+tensor_parallel.py: the mesh is pp x tp. It prints what each rank holds, the loss, each rank's idle time beside
+its schedule's bubble, and a sample:
 
-    Mesh pp 2 | 32 sequences in 2 micro-batches | global batch 32 | schedule 1f1b
-    Epoch 0 | Batchsize 32 | Steps 102 | Loss 2.324010 per token
+    Mesh pp 2 x tp 1 | 16 sequences in 2 micro-batches | global batch 16 | schedule 1f1b
+    Epoch 0 | Batchsize 16 | Steps 408 | Loss 2.324010 per token
     Rank 0 | stage 0 | idle 39.0% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
     Sample: "The ..."
 
@@ -42,6 +44,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import DataLoader
 
 from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
@@ -54,6 +59,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
              "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
              "dualpipev": ScheduleDualPipeV}
 LOOPED, V_SHAPED = {"interleaved_1f1b", "interleaved_zb"}, {"zbv", "dualpipev"}
+DIMS = ("pp", "tp")  # the mesh's dimensions, outermost first
 
 
 class Trainer:
@@ -70,6 +76,7 @@ class Trainer:
         self.schedule = schedule(self.stages if len(parts) > 1 else self.stages[0], n_microbatches=args.microbatches,
                                  loss_fn=self.timed(self.loss), scale_grads=False)
         self.first, self.last = indices[0] == 0, pp * len(parts) - 1 in indices
+        self.speaks = self.last and mesh["tp"].get_local_rank() == 0  # one rank says the loss
         self.train_data = train_data
         self.sampler = train_data.sampler
         self.save_every, self.log_every = args.save_every, args.log_every
@@ -125,7 +132,7 @@ class Trainer:
     def loss(self, logits, targets):
         """The last stage's loss of one micro-batch: its tokens' cross-entropy over the step's tokens, so that the
         micro-batches' gradients add up to those of the step's mean (scale_grads=False: the schedule adds them as
-        they are)."""
+        they are). Under tensor parallelism the logits stay split over the vocabulary (loss_parallel)."""
         tokens = self.sampler.global_batch * targets.shape[1]
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens
 
@@ -165,14 +172,18 @@ class Trainer:
         busy, start = self.busy[0], time.perf_counter()
         # The first stage feeds the batch in, the last compares with the targets; the schedule cuts both.
         # return_outputs=False: the last stage keeps no outputs, whose autograd graph would hold the modules (and
-        # any hooks on them, and through them the process groups) past destroy_process_group.
-        self.schedule.step(*[source] * self.first, target=targets if self.last else None,
-                           losses=losses if self.last else None, return_outputs=False)
+        # any hooks on them, and through them the process groups) past destroy_process_group. TP's collectives
+        # run inside each stage's layers.
+        with loss_parallel():  # the cross-entropy of logits split over the vocabulary, forward and backward
+            self.schedule.step(*[source] * self.first, target=targets if self.last else None,
+                               losses=losses if self.last else None, return_outputs=False)
         self.synchronize()
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
+        settle_grads(self.parts)
         for optimizer in self.optimizers:
             optimizer.step()  # on this rank's pieces of its stages: no communication
-        return sum(losses, torch.zeros((), device=self.device, dtype=self.dtype)).detach()
+        loss = sum(losses, torch.zeros((), device=self.device, dtype=self.dtype))
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
     def _run_epoch(self, epoch):
         self.sampler.set_epoch(epoch, self.position)
@@ -181,14 +192,15 @@ class Trainer:
         for source, targets in self.train_data:
             step_size = self.sampler.global_batch
             source, targets = source.to(self.device), targets.to(self.device)
-            loss_sum += self._run_batch(source, targets) * step_size  # the mean loss a token, times the sequences
+            loss = self._run_batch(source, targets) * step_size  # the mean loss a token, times the sequences:
+            loss_sum += loss if self.speaks else 0 * loss  # the ranks that speak add theirs
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
             if self.log_every and self.steps_done % self.log_every == 0:
                 said = loss_sum.clone()
                 dist.all_reduce(said)
                 sequences = trained - (self.sampler.size - self.position)  # this epoch's, so far
                 self.log(f"Epoch {epoch} | step {self.steps_done} | Loss {said.item() / sequences:.6f} per token")
-        dist.all_reduce(loss_sum)  # the last stage's, to rank 0 (the others add zero)
+        dist.all_reduce(loss_sum)  # the last stage's, to rank 0
         mean_loss = loss_sum.item() / trained
         steps = -(-self.sampler.size // self.sampler.global_batch)
         self.log(f"Epoch {epoch} | Batchsize {self.sampler.global_batch} | Steps {steps} | "
@@ -267,9 +279,51 @@ def build_stage(model, stage, stages):
             + ["norm", "lm_head"] * (stage == stages - 1))
 
 
+def apply_tp(model, tp_mesh):
+    """Megatron's split with sequence parallelism (torchtitan's plan). In each layer q, k, v and the MLP's gate and
+    up projections are split by output columns (each rank: its heads, its hidden units), o_proj and down_proj by
+    input rows, their partial sums reduce-scattered over the sequence; the norms run on each rank's slice of the
+    sequence, all-gathered before attention and the MLP. The embedding is split over the vocabulary, and so are
+    the logits, which the loss takes as they are (loss_parallel)."""
+    ends = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    parallelize_module(model, tp_mesh, {name: style for name, style in ends.items() if getattr(model, name)})
+    for layer in filter(None, model.layers):
+        parallelize_module(layer, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def settle_grads(parts):
+    """The norms' weight gradients come out of backward as partial sums (each tp rank's slice of the sequence), the
+    embedding's whole: each to its parameter's layout once, before the optimizer, which would otherwise all-reduce
+    the partial sums at each of its uses (three for AdamW)."""
+    for part in parts:
+        for p in part.parameters():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+
+
 def holdings(part, names, total):
-    """What this rank holds of one stage: its parts and its share of the parameters."""
-    return f"{', '.join(names)} | {sum(p.numel() for p in part.parameters()):,} of {total:,} parameters"
+    """What this rank holds of one stage: its parts, its share of the parameters, and its piece of the stage's
+    first layer's q_proj.weight (split over tp, then sharded over dp)."""
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in part.parameters())
+    layer = next((i for i, layer in enumerate(part.layers) if layer is not None), None)
+    weight = part.layers[layer].self_attn.q_proj.weight if layer is not None else None
+    piece = (f" | layers.{layer}.self_attn.q_proj.weight {list(weight.to_local().shape)} of {list(weight.shape)}"
+             if isinstance(weight, DTensor) else "")
+    return f"{', '.join(names)} | {local:,} of {total:,} parameters{piece}"
 
 
 def whole_model(state):
@@ -290,7 +344,7 @@ def whole_model(state):
 def load_train_objs(args, mesh):
     text, about = read_text(args.data)
     train_set, _ = text_splits(text, args.config.max_seq_len)
-    # The whole decoder on every rank (one seed, the same weights), then each keeps its stages: fine at this size;
+    # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
     model = Decoder(args.config).init_weights(args.seed).to(getattr(torch, args.dtype))
     total = sum(p.numel() for p in model.parameters())
@@ -301,11 +355,15 @@ def load_train_objs(args, mesh):
         part = copy.deepcopy(model) if len(indices) > 1 else model
         names = build_stage(part, index, mesh["pp"].size() * len(indices))
         part.to(device_of(mesh))
+        # 2. Tensor parallel over the tp group: heads and hidden units split, norms over the sequence.
+        if mesh["tp"].size() > 1:
+            apply_tp(part, mesh["tp"])
         parts.append(part)
         lines.append(f"stage {index}: {holdings(part, names, total)}")
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
                   for part in parts]
-    return train_set, about, parts, optimizers, " | ".join(lines)
+    where = " ".join(f"{name} {mesh[name].get_local_rank()}" for name in mesh.mesh_dim_names)
+    return train_set, about, parts, optimizers, " | ".join([where, *lines])
 
 
 def main(args):
@@ -330,7 +388,7 @@ def main(args):
             sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # The stages send activations forward and gradients back over this group of world_size processes.
+    # The mesh's groups are made from this group of world_size processes: one group per row of each dimension.
     # A framework that calls main() (Ray Train, say) may own the group already.
     timeout = timedelta(seconds=args.timeout)
     owns_group = not dist.is_initialized()
@@ -339,7 +397,8 @@ def main(args):
                                 world_size=world_size, timeout=timeout, device_id=device if accelerator else None)
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
-    mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,), mesh_dim_names=("pp",))
+    sizes = (args.pp, args.tp)
+    mesh = dist.device_mesh.init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
     dataset, about, parts, optimizers, holds = load_train_objs(args, mesh)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, holds)
@@ -349,7 +408,7 @@ def main(args):
         print(f"Mesh {layout_of(mesh)} | {args.global_batch_size} sequences in {m} "
               f"micro-batch{'es' * (m > 1)} | global batch {args.global_batch_size} | schedule {args.schedule}")
         print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
-    # Every stage takes every step's whole batch; the first feeds it in, the last compares with its targets.
+    # Every rank takes every step's whole batch; the first stage feeds it in, the last compares with its targets.
     size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: micro-batches of one shape
     sampler = GlobalOrderSampler(size, 0, 1, args.global_batch_size, seed=args.seed)
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
@@ -367,12 +426,14 @@ def main(args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--total_epochs", "--epochs", type=int, default=1, help="passes over the text (default 1)")
-    parser.add_argument("--save_every", type=int, default=1, help="epochs between checkpoints; the last is saved too")
+    parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=1, help="passes over the text")
+    parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between checkpoints, and the last")
     parser.add_argument("--log_every", type=int, default=25, help="steps between loss lines; 0: once an epoch")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks: each layer split over them")
+    parser.add_argument("--pp", type=positive_int, help="pipeline ranks (default: the processes over tp)")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="default 1f1b")
-    parser.add_argument("--microbatches", type=int, help="micro-batches a step (default: the stages)")
-    parser.add_argument("--global_batch_size", type=int, default=32, help="sequences per step over all ranks")
+    parser.add_argument("--microbatches", type=positive_int, help="micro-batches a step (default: the stages)")
+    parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences per step over all ranks")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
     parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
@@ -389,9 +450,9 @@ def parse_args(argv=None):
     defaults = DecoderConfig()
     for name, help_ in (("dim", "the model's width"), ("n_layers", "layers"), ("n_heads", "attention heads"),
                         ("n_kv_heads", "key/value heads"), ("hidden", "the MLP's width")):
-        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{help_} (default "
+        parser.add_argument(f"--{name}", type=positive_int, default=getattr(defaults, name), help=f"{help_} (default "
                             f"{getattr(defaults, name)})")
-    parser.add_argument("--seq_len", type=int, default=128, help="bytes a sequence (default 128)")
+    parser.add_argument("--seq_len", type=positive_int, default=64, help="bytes a sequence (default 64)")
     args = parser.parse_args(argv)
     args.config = DecoderConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                                 n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq_len=args.seq_len)
@@ -402,27 +463,29 @@ def parse_args(argv=None):
         except (OSError, ValueError, KeyError) as error:
             parser.error(f"--init_from_hf {args.init_from_hf}: not a Llama checkpoint this decoder loads ({error})")
         args.config.max_seq_len = args.seq_len
+    c = args.config
+    if args.timeout <= 0 or args.lr < 0:
+        parser.error("--timeout must be positive, --lr not negative")
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
-    args.pp = int(os.environ["WORLD_SIZE"])
-    args.microbatches = args.microbatches or args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
-    c = args.config
-    sizes = (args.microbatches, args.global_batch_size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden,
-             c.max_seq_len)
-    if min(args.total_epochs, args.save_every, args.timeout, args.lr, *sizes) <= 0:
-        parser.error("--total_epochs, --save_every, --timeout, --lr, --microbatches, --global_batch_size and the "
-                     "model's sizes must be positive")
-    check_model(parser, c, 1)
+    world_size = int(os.environ["WORLD_SIZE"])
+    if args.pp is None and world_size % args.tp == 0:
+        args.pp = world_size // args.tp
+    if args.pp is None or args.tp * args.pp != world_size:
+        parser.error(f"--tp {args.tp} x --pp {args.pp or '?'} must be the {world_size} processes torchrun started "
+                     "(WORLD_SIZE)")
+    check_model(parser, c, args.tp)
     stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
+    args.microbatches = args.microbatches or stages  # default: a micro-batch a stage
     if stages > c.n_layers:
-        parser.error(f"{stages} stages ({args.pp} processes, schedule {args.schedule}) are more than the {c.n_layers} "
+        parser.error(f"{stages} stages (--pp {args.pp}, schedule {args.schedule}) are more than the {c.n_layers} "
                      "layers: each stage needs one")
     if args.global_batch_size % args.microbatches:
         parser.error(f"--microbatches {args.microbatches} must divide --global_batch_size "
                      f"{args.global_batch_size}: every micro-batch has one shape, which the stages agree on")
     if args.schedule in ("1f1b", "interleaved_1f1b") and args.microbatches < args.pp:
         parser.error(f"{args.schedule} needs at least one micro-batch a rank: --microbatches {args.microbatches} < "
-                     f"{args.pp} processes")
+                     f"--pp {args.pp}")
     return args
 
 
@@ -436,6 +499,12 @@ def check_model(parser, c, tp):
         if size % tp:
             parser.error(f"tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
                          "the MLP's units and the vocabulary, and an equal slice of the sequence")
+
+
+def positive_int(text):
+    if not text.lstrip("-").isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return int(text)
 
 
 def group_store(rank, world_size, timeout):

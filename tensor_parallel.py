@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader
 from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
 from language_model import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
-# Optimizer state flattened (one key per parameter): any subset of the model saves and loads its own part.
+# Optimizer state flattened (one key per parameter): each stage saves and loads its own part of the model's state.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -67,7 +67,7 @@ class Trainer:
         self.checkpoints = CheckpointDir(self.snapshot_path, log=self.log)
         where, path = self.checkpoints.newest()  # complete checkpoints only
         if where:
-            state = self.state()  # this rank's pieces now: DCP reads into them what they cover of the saved ones
+            state = self.state()  # this rank's pieces: DCP reads them from whichever files hold them
             with self.checkpoints.loading(path, whole_model(state)):  # another model, a missing shard: one line
                 dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
             self.set_state(state)
@@ -100,7 +100,7 @@ class Trainer:
                 "layout": self.layout, "model": vars(self.config)}
 
     def state(self):
-        """Model and optimizer state keyed by the full model's parameter names; each rank's pieces (DTensors)."""
+        """This rank's model and optimizer state, keyed by the full model's parameter names."""
         model, optimizer = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
         return {"model": model, "optimizer": optimizer}
 
@@ -220,9 +220,9 @@ def settle_grads(parts):
                 p.grad = p.grad.redistribute(placements=p.placements)
 
 
-def holdings(part, names, mesh, total):
-    """What this rank holds: its parts, its share of the parameters, and its piece of the first layer's
-    q_proj.weight (split over tp)."""
+def holdings(part, names, total):
+    """What this rank holds of one stage: its parts, its share of the parameters, and its piece of the stage's
+    first layer's q_proj.weight (split over tp, then sharded over dp)."""
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in part.parameters())
     layer = next((i for i, layer in enumerate(part.layers) if layer is not None), None)
     weight = part.layers[layer].self_attn.q_proj.weight if layer is not None else None
@@ -270,13 +270,14 @@ def whole_model(state):
 def load_train_objs(args, mesh):
     text, about = read_text(args.data)
     train_set, _ = text_splits(text, args.config.max_seq_len)
-    # The same weights on every rank (same seed); parallelize_module keeps each rank's piece of the split ones.
+    # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
+    # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
     model = Decoder(args.config).init_weights(args.seed).to(device_of(mesh), getattr(torch, args.dtype))
     total = sum(p.numel() for p in model.parameters())
     names = ["embed_tokens", *(f"layers.{i}" for i in range(len(model.layers))), "norm", "lm_head"]
     apply_tp(model, mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    return train_set, about, model, optimizer, holdings(model, names, mesh, total)
+    return train_set, about, model, optimizer, holdings(model, names, total)
 
 
 def main(args):
@@ -301,7 +302,7 @@ def main(args):
             sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
-    # The layers' collectives run over this group of world_size processes, through the device mesh made of it.
+    # The mesh's groups are made from this group of world_size processes: one group per row of each dimension.
     # A framework that calls main() (Ray Train, say) may own the group already.
     timeout = timedelta(seconds=args.timeout)
     owns_group = not dist.is_initialized()
@@ -337,11 +338,10 @@ def main(args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--total_epochs", "--epochs", type=int, default=1, help="passes over the text (default 1)")
-    parser.add_argument("--save_every", type=int, default=1, help="epochs between checkpoints; the last is saved too")
+    parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=1, help="passes over the text")
+    parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between checkpoints, and the last")
     parser.add_argument("--log_every", type=int, default=25, help="steps between loss lines; 0: once an epoch")
-    parser.add_argument("--global_batch_size", type=int, default=32, help="sequences per step; every rank computes "
-                        "all of them")
+    parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences a step, on every rank")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
     parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
@@ -358,9 +358,9 @@ def parse_args(argv=None):
     defaults = DecoderConfig()
     for name, help_ in (("dim", "the model's width"), ("n_layers", "layers"), ("n_heads", "attention heads"),
                         ("n_kv_heads", "key/value heads"), ("hidden", "the MLP's width")):
-        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=f"{help_} (default "
+        parser.add_argument(f"--{name}", type=positive_int, default=getattr(defaults, name), help=f"{help_} (default "
                             f"{getattr(defaults, name)})")
-    parser.add_argument("--seq_len", type=int, default=128, help="bytes a sequence (default 128)")
+    parser.add_argument("--seq_len", type=positive_int, default=64, help="bytes a sequence (default 64)")
     args = parser.parse_args(argv)
     args.config = DecoderConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                                 n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq_len=args.seq_len)
@@ -372,10 +372,8 @@ def parse_args(argv=None):
             parser.error(f"--init_from_hf {args.init_from_hf}: not a Llama checkpoint this decoder loads ({error})")
         args.config.max_seq_len = args.seq_len
     c = args.config
-    sizes = (args.global_batch_size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden, c.max_seq_len)
-    if min(args.total_epochs, args.save_every, args.timeout, args.lr, *sizes) <= 0:
-        parser.error("--total_epochs, --save_every, --timeout, --lr, --global_batch_size and the model's sizes must "
-                     "be positive")
+    if args.timeout <= 0 or args.lr < 0:
+        parser.error("--timeout must be positive, --lr not negative")
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     check_model(parser, c, int(os.environ["WORLD_SIZE"]))
@@ -392,6 +390,12 @@ def check_model(parser, c, tp):
         if size % tp:
             parser.error(f"tp {tp} does not divide {name} ({size}): each tp rank takes an equal share of the heads, "
                          "the MLP's units and the vocabulary, and an equal slice of the sequence")
+
+
+def positive_int(text):
+    if not text.lstrip("-").isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return int(text)
 
 
 def group_store(rank, world_size, timeout):

@@ -8,7 +8,7 @@ training loop of the same model and data, on the CPU (gloo).
 
 The model is small, so that 8 processes run on 2 cores: language_model.Decoder with --dim 32 --n_layers 4
 --n_heads 8 --n_kv_heads 4 --hidden 64 --seq_len 16 (53,536 parameters; 4 key/value heads, so that --tp 4 divides
-them), global batch 32, trained on the first characters of language_model.read_text() (written to a file for
+them), global batch 64, trained on the first characters of language_model.read_text() (written to a file for
 --data): as many as give --steps whole steps (8; --quick 4). One torchrun job per world size runs its layouts one
 after the other: a worker imports each script and calls its own main() (the script's model, mesh,
 parallelization and Trainer, under a process group the worker opened), with the script's Trainer._run_batch
@@ -26,23 +26,25 @@ step, width D, n ranks in a group, a = b x S x D x s the bytes of one activation
 2(n-1)/n, where NCCL's ring sends (n-1)/n (each job measures these first):
 - tp, sequence parallel: per layer 2 all-gathers of a (before attention and the MLP) and 2 reduce-scatters (after
   o_proj and down_proj) forward, the same backward; the embedding (split over the vocabulary) reduce-scatters its
-  output over the sequence and all-gathers its gradient, lm_head all-gathers its input and reduce-scatters its
-  gradient; loss_parallel all-reduces 3 numbers a token (the logits' max, the sum of exponentials, the target's
-  logit); each norm's weight gradient (Partial over tp) is all-reduced each time AdamW reads it, 3 times (FSDP2
-  reduces it once itself, before);
+  partial output over the sequence (no all-reduce) and all-gathers its gradient, lm_head all-gathers its input
+  and reduce-scatters its gradient; loss_parallel all-reduces 3 numbers a token (the logits' max, the sum of
+  exponentials, the target's logit); each norm's weight gradient (partial sums over tp) is all-reduced once
+  before the optimizer (the scripts' settle_grads; under FSDP2, FSDP2 itself);
 - pp: a/tp (a tp rank's slice of the sequence) of activations to the next stage, as much of their gradients to the
   one before, for each of the rank's stages whose neighbour lives on another rank (looped and V schedules: 2
   stages a rank);
 - FSDP2 over dp_shard: each layer and the rest of the stage (each rank's tp piece, each parameter padded to a
-  multiple of dp_shard rows) all-gathered twice without a pipeline (forward and backward: reshard_after_forward),
-  once under one (kept gathered over the micro-batches), m + 1 times if resharded after each of m forwards
-  (GPipe); every gradient reduce-scattered once;
+  multiple of dp_shard rows) all-gathered twice without a pipeline (forward and backward: reshard_after_forward
+  True, which the script passes, so the root is resharded too), once under a pipeline (reshard_after_forward
+  False: kept from the first forward to the last backward), m + 1 times if resharded after each of m forwards
+  (GPipe; the worker passes True); every gradient reduce-scattered once;
 - HSDP: the shards' gradients all-reduced over dp_replicate too (DDP-like: dp_shard 1, only this).
 Speed: tokens/s as each script's Summary line says it (its wall: every step and the checkpoint), and from the
 slowest rank's median step; model FLOPs a token 6 x parameters + 12 x layers x S x D (the attention's scores and
-weighted sums, forward and backward), their rate against a float32 matmul's FLOP/s on all usable cores, measured
-here. One process: nd_parallel.py's median step against plain_loop()'s (the same Decoder, AdamW, cross-entropy and
-global batch, no schedule, no DTensor), in one process, one after the other.
+weighted sums, forward and backward), their rate (MFU) against the machine's float32 matmul peak, measured here
+before and after the runs (the best of one thread's FLOP/s times the cores and all threads' at once). One
+process: nd_parallel.py's median step against plain_loop()'s (the same Decoder, AdamW, cross-entropy and global
+batch, no schedule, no DTensor), --repeats runs of each in one process, alternating.
 Writes parallel_bytes.json and parallel_bytes.png to --out (default benchmarks/results).
 """
 import json
@@ -87,10 +89,9 @@ LAYOUTS = [
 ]
 WARMUP = 1  # steps left out of the window
 LOOPED, V_SHAPED = {"interleaved_1f1b", "interleaved_zb"}, {"zbv", "dualpipev"}  # the scripts' two-stage schedules
-ADAMW_READS = 3  # AdamW reads a gradient in 3 ops (exp_avg's lerp, exp_avg_sq's addcmul of it with itself)
 
 WORKER = r'''
-import contextlib, functools, importlib, io, json, os, socket, struct, sys, time
+import contextlib, importlib, io, json, os, socket, struct, sys, time
 sys.path.insert(0, {repo!r})
 import torch
 import torch.distributed as dist
@@ -211,7 +212,7 @@ def flag(arguments, name, default=None):
 def plain_loop(arguments):
     """A plain training loop of the decoder the layout trains, on the same text and global batch: Decoder, AdamW
     (lr 3e-3, betas (0.9, 0.95), weight decay 0.1, as the scripts), the mean cross-entropy, one step a global
-    batch in order. Returns each step's seconds and the loop's wall and tokens."""
+    batch in order. Returns each step's seconds, the loop's wall and tokens, and the mean loss of its steps."""
     config = DecoderConfig(**{name: int(flag(arguments, f"--{name}")) for name in
                               ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden")},
                            max_seq_len=int(flag(arguments, "--seq_len")))
@@ -219,7 +220,7 @@ def plain_loop(arguments):
     train_set, _ = text_splits(read_text(flag(arguments, "--data"))[0], config.max_seq_len)
     model = Decoder(config).init_weights(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    steps, start = [], time.perf_counter()
+    steps, losses, start = [], [], time.perf_counter()
     for first in range(0, len(train_set) // batch * batch, batch):
         source, targets = train_set[list(range(first, first + batch))]
         before = time.perf_counter()
@@ -228,8 +229,9 @@ def plain_loop(arguments):
         loss.backward()
         optimizer.step()
         steps.append(time.perf_counter() - before)
+        losses.append(loss.detach())
     return {"step_s": steps, "wall_s": time.perf_counter() - start,
-            "tokens": len(steps) * batch * config.max_seq_len, "final_loss": loss.item()}
+            "tokens": len(steps) * batch * config.max_seq_len, "mean_loss": torch.stack(losses).mean().item()}
 
 
 def matmul_peak(threads, size=1024, seconds=0.5, trials=3):
@@ -321,6 +323,8 @@ def formula(mesh, rank, batch, config=CONFIG, itemsize=4, reduce_scatter=1, resh
     reshard: FSDP2 reshards each layer after each forward under the pipeline (GPipe: m forwards, then the first
     backward gathers once more)."""
     pp, replicate, shard, tp, microbatches, schedule = mesh
+    if reshard and (pp == 1 or schedule != "gpipe"):
+        raise ValueError("the formula of FSDP2 resharded after each forward is GPipe's, under a pipeline")
     pp_rank = rank // (replicate * shard * tp)
     held = stage_indices(pp_rank, pp, schedule)
     stages = pp * len(held)
@@ -343,11 +347,9 @@ def formula(mesh, rank, batch, config=CONFIG, itemsize=4, reduce_scatter=1, resh
             parts["tp reduce-scatter"] += reduce_scatter * count * (tp - 1) / tp * activation
             # loss_parallel: 3 all-reduces of one number a token (max, sum of exponentials, the target's logit).
             parts["tp loss all-reduce"] += last * 3 * 2 * (tp - 1) / tp * b * seq * itemsize
-            # The norms' weight gradients, Partial over tp: all-reduced at each of AdamW's reads of them, or once
-            # by FSDP2 before its reduce-scatter.
-            reads = 1 if replicate * shard > 1 else ADAMW_READS
-            norms = 2 * layers + last
-            parts["tp norm all-reduce"] += reads * norms * 2 * (tp - 1) / tp * dim * itemsize
+            # The norms' weight gradients, partial sums over tp: each all-reduced once before the optimizer
+            # (settle_grads; under FSDP2 by FSDP2, before its reduce-scatter).
+            parts["tp norm all-reduce"] += (2 * layers + last) * 2 * (tp - 1) / tp * dim * itemsize
         if replicate * shard > 1:  # the scripts shard with FSDP2 whenever there is data parallelism
             padded = [sum(-(-rows // shard) * shard * row for rows, row in unit) for unit in stage_units]
             layer_bytes, rest_bytes = sum(padded[:-1]) * itemsize, padded[-1] * itemsize
@@ -401,6 +403,11 @@ def summary_tokens(line):
     return float(found.group(1))
 
 
+def shown(arguments, data):
+    """A layout's arguments as the JSON shows them: the text as text.txt (its characters are in "text")."""
+    return " ".join(arguments).replace(str(data), "text.txt")
+
+
 def run_job(world_size, plan, args, tmp):
     """One torchrun job of the worker over `plan`'s layouts: each rank's record."""
     out = Path(tmp) / f"n{world_size}"
@@ -429,7 +436,7 @@ def run_world(world_size, layouts, args, tmp, data):
     for index, (name, _, script, flags, change) in enumerate(layouts):
         arguments = arguments_of(flags, args, data)
         mesh = mesh_of(script, world_size, arguments)
-        command = f"torchrun --standalone --nproc_per_node={world_size} {script} {' '.join(arguments)}"
+        command = f"torchrun --standalone --nproc_per_node={world_size} {script} {shown(arguments, data)}"
         rows = []
         for record in ranks:
             per_step, to, seconds, between = measured(record, index, owner)
@@ -460,7 +467,7 @@ def one_process(args, tmp, data):
     plain = [run["step_s"][WARMUP:] for run in record["plain"]]
     script_step, plain_step = (statistics.median(s for run in found for s in run) for found in (runs, plain))
     tokens = args.global_batch_size * CONFIG.max_seq_len
-    return {"command": f"torchrun --standalone --nproc_per_node=1 {script} {' '.join(arguments)}",
+    return {"command": f"torchrun --standalone --nproc_per_node=1 {script} {shown(arguments, data)}",
             "repeats": args.repeats, "steps_counted": len(runs[0]), "step_s": script_step,
             "run_medians_s": [statistics.median(run) for run in runs], "tokens_per_s_steps": tokens / script_step,
             "summaries": [layout["summary"] for layout in record["layouts"]],
@@ -468,7 +475,7 @@ def one_process(args, tmp, data):
                                                       for layout in record["layouts"]),
             "plain_step_s": plain_step, "plain_run_medians_s": [statistics.median(run) for run in plain],
             "plain_tokens_per_s": statistics.median(run["tokens"] / run["wall_s"] for run in record["plain"]),
-            "plain_final_loss": [run["final_loss"] for run in record["plain"]], "cost": script_step / plain_step - 1}
+            "plain_mean_loss": [run["mean_loss"] for run in record["plain"]], "cost": script_step / plain_step - 1}
 
 
 def plot(results, single, args, parameters, path):
@@ -508,7 +515,7 @@ def main(args):
     layouts = [layout for layout in LAYOUTS if layout[1] > 1 and (not args.quick or layout[1] == 2)]
     load_before = report.machine()["load_average_1_5_15min"]  # the machine is recorded at the end, with this
     cores = len(os.sched_getaffinity(0))
-    one_thread, all_threads = matmul_peak(1), matmul_peak(cores)
+    peaks = [(matmul_peak(1), matmul_peak(cores))]  # again after the runs: the machine's load changes
     parameters = sum(p.numel() for p in Decoder(CONFIG).parameters())
     # Per token: 6 FLOPs a parameter (2 forward, 4 backward); attention's scores and weighted sums, 2 matmuls of
     # seq x dim a token and layer, 2 FLOPs each, forward and twice that backward: 12 x layers x seq x dim.
@@ -523,10 +530,12 @@ def main(args):
             found, collectives[world_size] = run_world(world_size, [layout for layout in layouts
                                                                     if layout[1] == world_size], args, tmp, data)
             results += found
-    # The machine's peak: one thread's matmul times the cores, or all threads' at once where that is more (other
-    # work on the cores slows the threads of one matmul unevenly, and it waits for the slowest).
+    peaks.append((matmul_peak(1), matmul_peak(cores)))
+    # The machine's peak: the best of one thread's matmul times the cores and all threads' at once, before and
+    # after the runs (other work on the cores slows a matmul, and one of several threads waits for the slowest).
+    one_thread, all_threads = (max(column) for column in zip(*peaks))
     peak = {"flops": max(cores * one_thread, all_threads), "one_thread_flops": one_thread,
-            "all_threads_flops": all_threads, "threads": cores, "one_thread_flops_after": matmul_peak(1)}
+            "all_threads_flops": all_threads, "threads": cores, "measured": peaks}
     for r in [*results, single]:
         r["mfu"] = r["tokens_per_s_steps"] * flops_per_token / peak["flops"]
         r["mfu_summary"] = r["tokens_per_s_summary"] * flops_per_token / peak["flops"]
@@ -544,8 +553,9 @@ def main(args):
               ", ".join(f"{name} {factor:.3f}" for name, factor in factors.items()))
     print(f"Model FLOPs a token: 6 x {parameters:,} parameters + 12 x {CONFIG.n_layers} layers x "
           f"{CONFIG.max_seq_len} positions x {CONFIG.dim} = {flops_per_token:,}. Peak: a float32 matmul "
-          f"{one_thread / 1e9:.1f} GFLOP/s on 1 thread ({peak['one_thread_flops_after'] / 1e9:.1f} after the runs), "
-          f"{all_threads / 1e9:.1f} on {cores} at once: {peak['flops'] / 1e9:.1f} GFLOP/s for {cores} cores")
+          f"{one_thread / 1e9:.1f} GFLOP/s on 1 thread, {all_threads / 1e9:.1f} on {cores} at once (the best before "
+          f"and after the runs: {', '.join(f'{a / 1e9:.1f} and {b / 1e9:.1f}' for a, b in peaks)}): "
+          f"{peak['flops'] / 1e9:.1f} GFLOP/s for {cores} cores")
     speed = [[r["layout"], r["processes"], f"{1000 * r['step_s']:.1f}", f"{r['tokens_per_s_steps']:,.0f}",
               f"{r['tokens_per_s_summary']:,.0f}", f"{100 * r['mfu']:.2f}%"]
              for r in [*results, {**single, "layout": "one process", "processes": 1}]]
@@ -557,7 +567,8 @@ def main(args):
     report.write_json(out / "parallel_bytes.json", {
         "machine": info, "load_average_before": load_before, "torch": info["torch"], "backend": "gloo",
         "global_batch_size": args.global_batch_size, "steps": args.steps,
-        "text": {"characters": chars, "of": about},
+        "text": {"file": "text.txt", "characters": chars, "of": about,
+                 "made": f"language_model.read_text()[0][:{chars}]"},
         "model": {**vars(CONFIG), "parameters": parameters}, "flops_per_token": flops_per_token,
         "matmul_peak": peak, "warmup_steps": WARMUP, "quick": args.quick, "collectives": collectives,
         "results": results, "one_process": single})
@@ -569,10 +580,10 @@ if __name__ == "__main__":
     parser = common.ArgumentParser(description=__doc__, formatter_class=common.argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the 2-process layouts and one process, 4 steps each")
     parser.add_argument("--steps", type=common.positive_int, help="steps each layout trains (default 8; --quick 4)")
-    parser.add_argument("--global_batch_size", type=common.positive_int, default=32,
-                        help="sequences a step over all ranks (default 32)")
-    parser.add_argument("--repeats", type=common.positive_int, default=3,
-                        help="runs of nd_parallel.py on one process and of the plain loop, alternating (default 3)")
+    parser.add_argument("--global_batch_size", type=common.positive_int, default=64,
+                        help="sequences a step over all ranks (default 64)")
+    parser.add_argument("--repeats", type=common.positive_int, default=5,
+                        help="runs of nd_parallel.py on one process and of the plain loop, alternating (default 5)")
     parser.add_argument("--timeout", type=common.positive_float, default=900, help="seconds for each job")
     parser.add_argument("--out", default=report.DEFAULT_OUT, help="folder of parallel_bytes.json and .png")
     common.run(main, parser)

@@ -1,7 +1,7 @@
 """The documentation cannot rot: every shell command in README.md and docs/ names scripts that exist and flags
 their parsers (or the launcher's) accept; a page's ```bash run block, if it has one (a launch no dedicated test
 makes), runs as written, at a small size; every relative link, and every #anchor in it, resolves; the pages
-together stay within about 120 KB.
+together stay within 140 KB.
 
 A ```bash run block runs in a fresh copy of the repository, with this environment's python, torchrun and mpirun
 on PATH. "At a small size": epoch counts above 2 become 2 (--total_epochs, --epochs, --num_train_epochs and the
@@ -159,7 +159,7 @@ def test_every_page_shows_a_command_and_runs_at_most_one_block():
             f"{page_id(page)}: at most one ```bash run block, its main command"
 
 
-DOCS_BUDGET = 122_880  # bytes: README.md and docs/ together, about 120 KB (90 KB before N-D parallelism)
+DOCS_BUDGET = 143_360  # bytes: README.md and docs/ together, at most 140 KB (120 KB before the decoder of steps 6-8)
 
 
 def test_the_docs_total_at_most_about_90_kb():
@@ -296,7 +296,7 @@ def diff_lines(a, b):
 def test_the_diff_sizes_the_docs_print_are_the_scripts_own():
     tutorial = (REPO / "docs" / "tutorial.md").read_text()
     steps = re.findall(r"^\| `([\w./]+)` -> `([\w./]+)` \| (\d+) \|$", tutorial, re.M)
-    assert len(steps) == 4, steps
+    assert len(steps) == 6, steps
     features = re.findall(r"^\| \[`(\w+\.py)`\]\(\.\./by_feature/\w+\.py\) \|.*\| (\d+) \| \[[^]]+\]\([^)]+\) \|$",
                           (REPO / "docs" / "features.md").read_text(), re.M)
     assert sorted(name for name, _ in features) == sorted(p.name for p in (REPO / "by_feature").glob("*.py"))
@@ -313,7 +313,8 @@ def test_the_tutorial_walks_through_every_hunk_of_each_diff():
     sections = re.findall(r"^### `([\w./]+)` -> `([\w./]+)`.*?\n(.*?)(?=^#{2,3} |\Z)", tutorial, re.M | re.S)
     assert [(a, b) for a, b, _ in sections] == [
         ("singlegpu.py", "multigpu.py"), ("multigpu.py", "multigpu_torchrun.py"),
-        ("multigpu_torchrun.py", "multinode.py"), ("multigpu_torchrun.py", "fsdp.py")]
+        ("multigpu_torchrun.py", "multinode.py"), ("multigpu_torchrun.py", "fsdp.py"),
+        ("tensor_parallel.py", "pipeline_parallel.py"), ("pipeline_parallel.py", "nd_parallel.py")]
     for a, b, text in sections:
         hunks = run(["diff", "-u", a, b], cwd=REPO, check=False, timeout=30).stdout.count("\n@@ ")
         items = [int(n) for n in re.findall(r"^(\d+)\. \*\*", text, re.M)]

@@ -152,12 +152,12 @@ T, P, N = "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py"
 MATRIX = [
     (T, 2, (), "tp 2"),
     (T, 4, (), "tp 4"),
-    (P, 2, ("--schedule", "interleaved_1f1b"), "pp 2"),
-    (P, 4, ("--schedule", "gpipe"), "pp 4"),
+    (P, 4, ("--tp", "2", "--schedule", "interleaved_1f1b"), "pp 2 x tp 2"),
+    (P, 4, ("--schedule", "gpipe"), "pp 4 x tp 1"),
     (T, 2, (), "tp 2"),
     (N, 4, ("--dp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x tp 2"),
     (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x tp 1"),
-    (P, 2, ("--schedule", "zbv"), "pp 2"),
+    (P, 2, ("--schedule", "zbv"), "pp 2 x tp 1"),
     (N, 4, ("--pp", "2", "--tp", "2", "--schedule", "interleaved_zb"), "pp 2 x dp_replicate 1 x dp_shard 1 x tp 2"),
     (T, 1, (), "tp 1"),
 ]
@@ -168,7 +168,7 @@ def matrix(tmp_path_factory):
     """MATRIX, an epoch a launch, all in float64 on one --snapshot_path; between the second and the third launch,
     pipeline_parallel.py with DualPipeV trains epoch 2 and is SIGKILLed while saving it, so that the third launch
     resumes from epoch 2's checkpoint. [(output, the directory's listing, the newest checkpoint's full state, its
-    path)]."""
+    path, which file holds each tensor of its model)]."""
     directory = tmp_path_factory.mktemp("matrix")
     states = tmp_path_factory.mktemp("states")
     (directory / "text.txt").write_text(the_text())
@@ -176,8 +176,12 @@ def matrix(tmp_path_factory):
     found = []
 
     def after(out):
-        path = newest(checkpoints)
-        found.append((out, sorted(p.name for p in checkpoints.iterdir()), full_state(path, states), path))
+        path = newest(checkpoints)  # removed two launches later (the newest two are kept): read now
+        files = {}
+        for index, info in FileSystemReader(path).read_metadata().storage_data.items():
+            if index.fqn.startswith("model."):
+                files.setdefault(info.relative_path, set()).add(".".join(index.fqn.split(".")[1:3]))
+        found.append((out, sorted(p.name for p in checkpoints.iterdir()), full_state(path, states), path, files))
 
     for epoch, (script, nproc, flags, _) in enumerate(MATRIX):
         if epoch == 2:
@@ -192,7 +196,8 @@ def matrix(tmp_path_factory):
 
 
 def matrix_run(matrix, epoch):
-    """(output, listing, state, path) of the launch that trained `epoch` (the killed run sits before epoch 2's)."""
+    """(output, listing, state, path, files) of the launch that trained `epoch` (the killed run sits before epoch
+    2's)."""
     return matrix[epoch + (epoch >= 2)]
 
 
@@ -214,10 +219,11 @@ def test_tensor_parallel_prints_each_ranks_pieces_and_the_collectives_it_counted
 
 def test_pipeline_stages_keep_the_full_names_and_report_their_idle_time(matrix):
     out = matrix_run(matrix, 3)[0]
-    assert "Mesh pp 4 | 16 sequences in 4 micro-batches | global batch 16 | schedule gpipe" in out, out[-3000:]
+    assert "Mesh pp 4 x tp 1 | 16 sequences in 4 micro-batches | global batch 16 | schedule gpipe" in out, out[-3000:]
     parts = ["embed_tokens, layers.0", "layers.1", "layers.2", "layers.3, norm, lm_head"]
     for stage, names in enumerate(parts):
-        assert re.search(rf"^Rank {stage} \| stage {stage}: {names} \| [\d,]+ of [\d,]+ parameters$", out, re.M), out
+        assert re.search(rf"^Rank {stage} \| pp {stage} tp 0 \| stage {stage}: {names} \| [\d,]+ of [\d,]+ "
+                         "parameters$", out, re.M), out
     idle = re.findall(r"^Rank (\d) \| stage (\d) \| idle ([\d.]+)% of a step, measured \| bubble \(p-1\)/\(m\+p-1\) = "
                       r"([\d.]+)%, textbook$", out, re.M)
     assert [rank for rank, _, _, _ in idle] == ["0", "1", "2", "3"], out[-3000:]
@@ -226,21 +232,17 @@ def test_pipeline_stages_keep_the_full_names_and_report_their_idle_time(matrix):
     # V-shaped: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2; each stage wrote its own parameters, under the
     # full model's names, into its rank's file.
     out = matrix_run(matrix, 7)[0]
-    assert re.search(r"^Rank 0 \| stage 0: embed_tokens, layers.0 \| .* \| stage 3: layers.3, norm, lm_head \|", out,
-                     re.M), out[-3000:]
+    assert re.search(r"^Rank 0 \| pp 0 tp 0 \| stage 0: embed_tokens, layers.0 \| .* \| stage 3: layers.3, norm, "
+                     r"lm_head \|", out, re.M), out[-3000:]
     assert re.search(r"^Rank 1 \| stages 1, 2 \| idle [\d.]+% of a step, measured \| bubble near 0", out, re.M), out
-    metadata = FileSystemReader(matrix_run(matrix, 7)[3]).read_metadata()
-    files = {}
-    for index, info in metadata.storage_data.items():
-        if index.fqn.startswith("model."):
-            files.setdefault(info.relative_path, set()).add(".".join(index.fqn.split(".")[1:3]))
+    files = matrix_run(matrix, 7)[4]
     assert files == {"__0_0.distcp": {"embed_tokens.weight", "layers.0", "layers.3", "norm.weight", "lm_head.weight"},
                      "__1_0.distcp": {"layers.1", "layers.2"}}, files
 
 
 def test_each_script_resumes_each_ones_checkpoints_as_one_uninterrupted_process(matrix, reference):
     for epoch, (script, _, _, layout) in enumerate(MATRIX):
-        out, _, state, _ = matrix_run(matrix, epoch)
+        out, _, state, _, _ = matrix_run(matrix, epoch)
         what = f"{script} {layout} (epoch {epoch})"
         assert f"Mesh {layout} |" in out, (what, out[-3000:])
         if epoch:
@@ -252,12 +254,12 @@ def test_each_script_resumes_each_ones_checkpoints_as_one_uninterrupted_process(
 
 
 def test_a_checkpoint_killed_mid_save_is_never_loaded(matrix, reference):
-    """pipeline_parallel.py (DualPipeV) SIGKILLed on rank 1 while it wrote epoch 3's checkpoint: the next launch
-    resumes from epoch 2's, and removes the half-written one."""
-    killed_out, listing, _, _ = matrix[2]
+    """pipeline_parallel.py (DualPipeV, 2 processes) SIGKILLed on rank 1 while it wrote epoch 3's checkpoint: the
+    next launch resumes from epoch 2's, and removes the half-written one."""
+    killed_out, listing, _, _, _ = matrix[2]
     assert listing == ["epoch_000001", "epoch_000002", "epoch_000003.tmp"], listing  # the killed save's .tmp
     assert_losses_match(killed_out, reference, [2], "pp 2, DualPipeV, killed while saving")
-    out, listing, _, _ = matrix_run(matrix, 2)
+    out, listing, _, _, _ = matrix_run(matrix, 2)
     assert "Resuming from checkpoints/epoch_000002 at epoch 2, saved as tp 4 on 4 processes" in out, out[-3000:]
     assert listing == ["epoch_000002", "epoch_000003"], "the .tmp removed, the two newest kept"
 
@@ -378,9 +380,10 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
         (N, ("--tp", "2", "--n_kv_heads", "1"), 2, "tp 2 does not divide --n_kv_heads (1)"),
         (T, ("--n_heads", "3", "--n_kv_heads", "3", "--dim", "96"), 2, "tp 2 does not divide --n_heads (3)"),
         (T, ("--seq_len", "127",), 2, "tp 2 does not divide --seq_len (127)"),
-        (P, ("--n_layers", "1"), 2, "2 stages (2 processes, schedule 1f1b) are more than the 1 layers"),
-        (P, ("--n_layers", "3", "--schedule", "zbv"), 2, "4 stages (2 processes, schedule zbv) are more than the 3"),
-        (N, ("--microbatches", "3"), 1, "--dp 1 x --microbatches 3 must divide --global_batch_size 32"),
+        (P, ("--n_layers", "1"), 2, "2 stages (--pp 2, schedule 1f1b) are more than the 1 layers"),
+        (P, ("--n_layers", "3", "--schedule", "zbv"), 2, "4 stages (--pp 2, schedule zbv) are more than the 3"),
+        (P, ("--tp", "3"), 2, "--tp 3 x --pp ? must be the 2 processes torchrun started"),
+        (N, ("--microbatches", "3"), 1, "--dp 1 x --microbatches 3 must divide --global_batch_size 16"),
     ]
     jobs = [start(torchrun_cmd(script, *args, nproc=nproc), cwd=tmp_path, env=clean_env(**ENV), merge_output=False)
             for script, args, nproc, _ in cases]

@@ -8,10 +8,10 @@ its stages (pipeline_parallel.py), split over tp (tensor_parallel.py), then shar
 (fsdp.py), with --dp_replicate R copies of the shards (HSDP). An axis of size 1 is left out. It prints where each
 rank sits and what it holds, the loss, each rank's idle time beside its schedule's bubble, and a sample:
 
-    Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 16 sequences a data-parallel rank in 2 micro-batches | ...
-    Epoch 0 | Batchsize 16 | Steps 102 | Loss 2.324010 per token
-    Rank 0 | stage 0 | idle 61.0% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
-    Sample: "The ..."
+    Mesh pp 1 x dp_replicate 2 x dp_shard 2 x tp 1 | 4 sequences a data-parallel rank in 1 micro-batch | ...
+    Epoch 0 | Batchsize 4 | Steps 409 | Loss 2.314123 per token
+    Rank 0 | stage 0 | idle 37.7% of a step, measured | bubble (p-1)/(m+p-1) = 0.0%, textbook
+    Sample: "The sot object frould object dingent objects is the ..."
 
 Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
 pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have

@@ -12,10 +12,10 @@ r + p), zbv and dualpipev (stages r and 2p - 1 - r). With --tp T each stage's la
 tensor_parallel.py: the mesh is pp x tp. It prints what each rank holds, the loss, each rank's idle time beside
 its schedule's bubble, and a sample:
 
-    Mesh pp 2 x tp 1 | 16 sequences in 2 micro-batches | global batch 16 | schedule 1f1b
-    Epoch 0 | Batchsize 16 | Steps 408 | Loss 2.324010 per token
-    Rank 0 | stage 0 | idle 39.0% of a step, measured | bubble (p-1)/(m+p-1) = 33.3%, textbook
-    Sample: "The ..."
+    Mesh pp 2 x tp 1 | 16 sequences in 4 micro-batches | global batch 16 | schedule zbv      (--schedule zbv)
+    Epoch 0 | Batchsize 16 | Steps 409 | Loss 2.313007 per token
+    Rank 0 | stages 0, 3 | idle 30.4% of a step, measured | bubble near 0 once the weight gradients fill it ...
+    Sample: "The sotermeted from sot the of and of in lokes as the class an a ..."
 
 Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
 pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have

@@ -10,10 +10,10 @@ activations stay split over the sequence (sequence parallelism): the norms run o
 before attention and the MLP, reduce-scattered after. The logits stay split over the vocabulary for the loss
 (loss_parallel). It prints what each rank holds, the collectives of the first step, the loss, and a sample:
 
-    Mesh tp 2 | global batch 32, all of it on every rank
+    Mesh tp 2 | global batch 16, all of it on every rank
     Layer 0 | forward all_gather_into_tensor x2, reduce_scatter_tensor x2 | backward ...
-    Epoch 0 | Batchsize 32 | Steps 102 | Loss 2.324010 per token
-    Sample: "The ..."
+    Epoch 0 | Batchsize 16 | Steps 409 | Loss 2.305741 per token
+    Sample: "The sompration from the the or and of in looding they class an types.  If arners method types ..."
 
 Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
 pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have

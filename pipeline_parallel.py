@@ -239,7 +239,9 @@ class Trainer:
 
 def device_of(mesh):
     """This process's device: its GPU (set before the process group), or the CPU."""
-    return torch.device("cpu") if mesh.device_type == "cpu" else torch.accelerator.current_accelerator()
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
 def layout_of(mesh):
@@ -342,8 +344,7 @@ def whole_model(state):
 
 
 def load_train_objs(args, mesh):
-    text, about = read_text(args.data)
-    train_set, _ = text_splits(text, args.config.max_seq_len)
+    train_set, _ = text_splits(args.text, args.config.max_seq_len)
     # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
     model = Decoder(args.config).init_weights(args.seed).to(getattr(torch, args.dtype))
@@ -363,7 +364,7 @@ def load_train_objs(args, mesh):
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
                   for part in parts]
     where = " ".join(f"{name} {mesh[name].get_local_rank()}" for name in mesh.mesh_dim_names)
-    return train_set, about, parts, optimizers, " | ".join([where, *lines])
+    return train_set, parts, optimizers, " | ".join([where, *lines])
 
 
 def main(args):
@@ -399,12 +400,12 @@ def main(args):
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     sizes = (args.pp, args.tp)
     mesh = dist.device_mesh.init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
-    dataset, about, parts, optimizers, holds = load_train_objs(args, mesh)
+    dataset, parts, optimizers, holds = load_train_objs(args, mesh)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, holds)
     m = args.microbatches
     if rank == 0:
-        print(f"Text: {about} | {len(dataset):,} sequences of {args.config.max_seq_len} bytes to train on")
+        print(f"Text: {args.about} | {len(dataset):,} sequences of {args.config.max_seq_len} bytes to train on")
         print(f"Mesh {layout_of(mesh)} | {args.global_batch_size} sequences in {m} "
               f"micro-batch{'es' * (m > 1)} | global batch {args.global_batch_size} | schedule {args.schedule}")
         print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
@@ -466,6 +467,14 @@ def parse_args(argv=None):
     c = args.config
     if args.timeout <= 0 or args.lr < 0:
         parser.error("--timeout must be positive, --lr not negative")
+    try:  # the text now, not after the process group: a file that is not one is a line here
+        args.text, args.about = read_text(args.data)
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"--data {args.data}: not a UTF-8 text file this can read ({error})")
+    sequences = len(text_splits(args.text, c.max_seq_len)[0])
+    if sequences < args.global_batch_size:
+        parser.error(f"{args.about} makes {sequences} sequences of {c.max_seq_len} bytes to train on, fewer than "
+                     f"--global_batch_size {args.global_batch_size}: give a longer text or a smaller batch")
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     world_size = int(os.environ["WORLD_SIZE"])

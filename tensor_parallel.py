@@ -177,7 +177,9 @@ class Trainer:
 
 def device_of(mesh):
     """This process's device: its GPU (set before the process group), or the CPU."""
-    return torch.device("cpu") if mesh.device_type == "cpu" else torch.accelerator.current_accelerator()
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
 def layout_of(mesh):
@@ -268,8 +270,7 @@ def whole_model(state):
 
 
 def load_train_objs(args, mesh):
-    text, about = read_text(args.data)
-    train_set, _ = text_splits(text, args.config.max_seq_len)
+    train_set, _ = text_splits(args.text, args.config.max_seq_len)
     # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
     model = Decoder(args.config).init_weights(args.seed).to(device_of(mesh), getattr(torch, args.dtype))
@@ -277,7 +278,7 @@ def load_train_objs(args, mesh):
     names = ["embed_tokens", *(f"layers.{i}" for i in range(len(model.layers))), "norm", "lm_head"]
     apply_tp(model, mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    return train_set, about, model, optimizer, holdings(model, names, total)
+    return train_set, model, optimizer, holdings(model, names, total)
 
 
 def main(args):
@@ -312,11 +313,11 @@ def main(args):
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
-    dataset, about, model, optimizer, holds = load_train_objs(args, mesh)
+    dataset, model, optimizer, holds = load_train_objs(args, mesh)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, holds)
     if rank == 0:
-        print(f"Text: {about} | {len(dataset):,} sequences of {args.config.max_seq_len} bytes to train on")
+        print(f"Text: {args.about} | {len(dataset):,} sequences of {args.config.max_seq_len} bytes to train on")
         print(f"Mesh {layout_of(mesh)} | global batch {args.global_batch_size}, all of it on every rank")
         print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
     # Every rank takes every step's whole batch (rank 0 of a data-parallel world of 1): one order of the dataset
@@ -374,6 +375,14 @@ def parse_args(argv=None):
     c = args.config
     if args.timeout <= 0 or args.lr < 0:
         parser.error("--timeout must be positive, --lr not negative")
+    try:  # the text now, not after the process group: a file that is not one is a line here
+        args.text, args.about = read_text(args.data)
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"--data {args.data}: not a UTF-8 text file this can read ({error})")
+    sequences = len(text_splits(args.text, c.max_seq_len)[0])
+    if sequences < args.global_batch_size:
+        parser.error(f"{args.about} makes {sequences} sequences of {c.max_seq_len} bytes to train on, fewer than "
+                     f"--global_batch_size {args.global_batch_size}: give a longer text or a smaller batch")
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     check_model(parser, c, int(os.environ["WORLD_SIZE"]))

@@ -384,7 +384,11 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
         (P, ("--n_layers", "3", "--schedule", "zbv"), 2, "4 stages (--pp 2, schedule zbv) are more than the 3"),
         (P, ("--tp", "3"), 2, "--tp 3 x --pp ? must be the 2 processes torchrun started"),
         (N, ("--microbatches", "3"), 1, "--dp 1 x --microbatches 3 must divide --global_batch_size 16"),
+        (T, ("--data", "nowhere.txt"), 1, "--data nowhere.txt: not a UTF-8 text file this can read ([Errno 2]"),
+        (P, ("--data", "short.txt"), 1, "short.txt, 10 characters makes 0 sequences of 64 bytes to train on, "
+                                        "fewer than --global_batch_size 16"),
     ]
+    (tmp_path / "short.txt").write_text("tiny text\n")
     jobs = [start(torchrun_cmd(script, *args, nproc=nproc), cwd=tmp_path, env=clean_env(**ENV), merge_output=False)
             for script, args, nproc, _ in cases]
     for job, (script, args, _, fragment) in zip(jobs, cases):
@@ -392,7 +396,7 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
         result = subprocess.CompletedProcess(job.args, job.returncode, out, err)
         assert_one_line_error(result, f"{script}: error: {fragment}", code=1)  # torchrun exits 1
         assert not epoch_lines(out), (script, args)
-    assert list(tmp_path.iterdir()) == [], "stopped before making the checkpoints' directory"
+    assert [p.name for p in tmp_path.iterdir()] == ["short.txt"], "stopped before making the checkpoints' directory"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone

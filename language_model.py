@@ -1,9 +1,7 @@
-"""The language model of steps 6 to 8: a small Llama-style decoder, the text it learns and its byte tokenizer.
+"""The language model of steps 6 to 8: a small Llama-style decoder, the text it learns, its bytes as tokens.
 
-Copy this file beside tensor_parallel.py, pipeline_parallel.py or nd_parallel.py (with fsdp_checkpoint.py): it
-imports nothing but torch and the standard library. The decoder's parameter names are those of transformers'
-LlamaForCausalLM without its "model." prefix, and its numbers the same (tests/test_parallelism.py loads an export
-in transformers and compares the logits): hf_checkpoint.py turns a checkpoint into a folder transformers loads.
+Copy it beside tensor_parallel.py, pipeline_parallel.py or nd_parallel.py (with fsdp_checkpoint.py); it imports only
+torch. Its names and numbers are transformers' LlamaForCausalLM's (less "model."): hf_checkpoint.py exports it.
 """
 import math
 import os
@@ -12,13 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 
 @dataclass
 class DecoderConfig:
-    """A Llama-style decoder's sizes (steps 6 to 8). The defaults: 853,120 parameters, an epoch of the default text
-    in 84 to 108 s on 2 busy CPU cores (tensor_parallel.py, pipeline_parallel.py, 2 processes)."""
-    vocab_size: int = 256  # bytes: ByteTokenizer
+    """The decoder's sizes. The defaults: 853,120 parameters, an epoch of the default text in 84 to 108 s, 2 cores."""
+    vocab_size: int = 256  # bytes: encode()
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -35,26 +33,22 @@ class DecoderConfig:
                 "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
                 "head_dim": self.dim // self.n_heads, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
                 "max_position_embeddings": self.max_seq_len, "tie_word_embeddings": False, "attention_bias": False,
-                "mlp_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-                "bos_token_id": None, "eos_token_id": None}
+                "mlp_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}}
 
     @classmethod
-    def from_hf(cls, config):
+    def from_hf(cls, c):
         """From a Llama config.json's fields; ValueError names what this decoder does not have."""
-        rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e4)}
-        unsupported = {key: config[key] for key in ("tie_word_embeddings", "attention_bias", "mlp_bias")
-                       if config.get(key)}
-        if rope.get("rope_type", "default") != "default" or config.get("hidden_act", "silu") != "silu":
-            unsupported.update(rope_type=rope.get("rope_type"), hidden_act=config.get("hidden_act"))
-        if config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]) * \
-                config["num_attention_heads"] != config["hidden_size"]:
-            unsupported["head_dim"] = config["head_dim"]
-        if unsupported:
-            raise ValueError(f"this decoder has no {', '.join(f'{k}={v}' for k, v in unsupported.items())}")
-        return cls(vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-                   n_heads=config["num_attention_heads"], n_kv_heads=config.get("num_key_value_heads") or
-                   config["num_attention_heads"], hidden=config["intermediate_size"], rope_theta=rope["rope_theta"],
-                   norm_eps=config["rms_norm_eps"], max_seq_len=config.get("max_position_embeddings", 2048))
+        rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 1e4)}
+        head_dim = c["hidden_size"] // c["num_attention_heads"]
+        odd = {k: c[k] for k in ("tie_word_embeddings", "attention_bias", "mlp_bias") if c.get(k)}
+        odd |= {k: v for k, v, ours in (("rope_type", rope.get("rope_type", "default"), "default"),
+                                        ("hidden_act", c.get("hidden_act", "silu"), "silu"),
+                                        ("head_dim", c.get("head_dim", head_dim), head_dim)) if v != ours}
+        if odd:
+            raise ValueError(f"this decoder has no {', '.join(f'{k}={v}' for k, v in odd.items())}")
+        return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                   c.get("num_key_value_heads") or c["num_attention_heads"], c["intermediate_size"],
+                   rope["rope_theta"], c["rms_norm_eps"], c.get("max_position_embeddings", 2048))
 
 
 class RMSNorm(nn.Module):
@@ -148,13 +142,10 @@ class Decoder(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("layernorm.weight") or name == "norm.weight":
-                    values = torch.ones(p.shape)
-                else:
-                    std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(("o_proj.weight",
-                                                                                     "down_proj.weight")) else 0.02
-                    values = torch.randn(p.shape, generator=generator, dtype=torch.float64) * std
-                p.copy_(values.to(p.dtype))
+                deep = name.endswith(("o_proj.weight", "down_proj.weight"))
+                std = 0.02 / math.sqrt(2 * self.config.n_layers) if deep else 0.02
+                if not name.endswith("norm.weight"):  # the norms keep their ones, and draw nothing
+                    p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * std)
         return self
 
 
@@ -163,15 +154,9 @@ def hf_name(name):
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
-class ByteTokenizer:
-    """Text as its UTF-8 bytes: 256 tokens, nothing to download or train, any text encodes."""
-    vocab_size = 256
-
-    def encode(self, text):
-        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
-
-    def decode(self, tokens):
-        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+def encode(text):
+    """Text as its UTF-8 bytes, the tokens: 256 of them, nothing to download or train, any text encodes."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
 SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare", "input.txt")
@@ -191,38 +176,25 @@ def read_text(path=None):
     return text, f"{os.path.basename(path)}, {len(text):,} characters"
 
 
-class TextWindows(torch.utils.data.Dataset):
-    """The tokens cut into windows of seq_len + 1 (one after another, no overlap): sample i is (tokens[w:w+seq_len],
-    tokens[w+1:w+seq_len+1]), each position's target the token after it. Takes an index or a list of indices."""
-
-    def __init__(self, tokens, seq_len):
-        self.seq_len = seq_len
-        count = (len(tokens) - 1) // seq_len
-        self.inputs = tokens[:count * seq_len].view(count, seq_len)
-        self.targets = tokens[1:count * seq_len + 1].view(count, seq_len)
-
-    def __len__(self):
-        return len(self.inputs)
-
-    def __getitem__(self, index):
-        return self.inputs[index], self.targets[index]
-
-
 def text_splits(text, seq_len, held_out=0.1):
-    """(train, held out) TextWindows of the text's bytes: the last `held_out` of the text is for evaluation."""
-    tokens = ByteTokenizer().encode(text)
+    """(train, held out): the text's bytes in windows of seq_len + 1, one after another, sample i (window[:-1],
+    window[1:]); the last `held_out` of the text held out. Both take a list of indices (GlobalOrderSampler's)."""
+    def windows(tokens):
+        count = (len(tokens) - 1) // seq_len
+        return TensorDataset(*(tokens[i:i + count * seq_len].view(count, seq_len) for i in (0, 1)))
+
+    tokens = encode(text)
     cut = int(len(tokens) * (1 - held_out))
-    return TextWindows(tokens[:cut], seq_len), TextWindows(tokens[cut:], seq_len)
+    return windows(tokens[:cut]), windows(tokens[cut:])
 
 
 @torch.no_grad()
 def sample(model, prompt, new_tokens, temperature=0.8, seed=0):
     """Text generated by a whole (unsplit) decoder: the prompt, then new_tokens bytes drawn one at a time."""
-    tokenizer, generator = ByteTokenizer(), torch.Generator().manual_seed(seed)
-    device = model.lm_head.weight.device
-    tokens = tokenizer.encode(prompt).to(device)
+    generator, device = torch.Generator().manual_seed(seed), model.lm_head.weight.device
+    tokens = encode(prompt).to(device)
     for _ in range(new_tokens):
         logits = model(tokens[None, -model.config.max_seq_len:])[0, -1].double().cpu()
         token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
         tokens = torch.cat([tokens, token.to(device)])
-    return tokenizer.decode(tokens)
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")

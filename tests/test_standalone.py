@@ -61,7 +61,7 @@ def test_an_example_imports_only_torch_the_standard_library_its_lesson_and_one_m
     assert "sys.path" not in source, f"{name} edits sys.path"
 
 
-@pytest.mark.parametrize("name, lines", [("models_and_data.py", 160), ("language_model.py", 240)])
+@pytest.mark.parametrize("name, lines", [("models_and_data.py", 160), ("language_model.py", 200)])
 def test_the_shared_modules_are_small_and_import_only_torch(name, lines):
     path = REPO / name
     assert len(path.read_text().splitlines()) <= lines

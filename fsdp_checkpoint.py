@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, TensorStorageMetadata, load
 from torch.distributed.tensor import DTensor
 
 MARKER = "complete.json"
@@ -168,10 +168,9 @@ def check_fits(path, state):
 def load_whole_model(model, path):
     """`model` (whole, not split) with the weights of the checkpoint at `path`, saved in any layout, read by this
     process alone: no process group needed. DCP reads each tensor from the shards that hold its pieces."""
-    import torch.distributed.checkpoint as dcp
     with warnings.catch_warnings():  # DCP's note that it loads in one process: what this function is for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True)  # into the parameters, in place
+        load({"model": model.state_dict()}, checkpoint_id=path, no_dist=True)  # into the parameters, in place
     return model
 
 

@@ -192,8 +192,9 @@ class Trainer:
         for source, targets in self.train_data:
             step_size = self.sampler.global_batch
             source, targets = source.to(self.device), targets.to(self.device)
-            loss = self._run_batch(source, targets) * step_size  # the mean loss a token, times the sequences:
-            loss_sum += loss if self.speaks else 0 * loss  # the ranks that speak add theirs
+            loss = self._run_batch(source, targets) * step_size  # the mean loss a token, times the sequences
+            if self.speaks:  # one rank of the last stage adds it
+                loss_sum += loss
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
             if self.log_every and self.steps_done % self.log_every == 0:
                 said = loss_sum.clone()
@@ -344,7 +345,7 @@ def whole_model(state):
 
 
 def load_train_objs(args, mesh):
-    train_set, _ = text_splits(args.text, args.config.max_seq_len)
+    train_set = args.train_set
     # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
     model = Decoder(args.config).init_weights(args.seed).to(getattr(torch, args.dtype))
@@ -468,10 +469,11 @@ def parse_args(argv=None):
     if args.timeout <= 0 or args.lr < 0:
         parser.error("--timeout must be positive, --lr not negative")
     try:  # the text now, not after the process group: a file that is not one is a line here
-        args.text, args.about = read_text(args.data)
+        text, args.about = read_text(args.data)
     except (OSError, UnicodeDecodeError) as error:
         parser.error(f"--data {args.data}: not a UTF-8 text file this can read ({error})")
-    sequences = len(text_splits(args.text, c.max_seq_len)[0])
+    args.train_set, _ = text_splits(text, c.max_seq_len)  # the last tenth held out
+    sequences = len(args.train_set)
     if sequences < args.global_batch_size:
         parser.error(f"{args.about} makes {sequences} sequences of {c.max_seq_len} bytes to train on, fewer than "
                      f"--global_batch_size {args.global_batch_size}: give a longer text or a smaller batch")

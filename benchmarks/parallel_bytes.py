@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from benchmarks import common, report
 from benchmarks.launches import BIN, REPO, clean_env
 from language_model import Decoder, DecoderConfig, read_text, text_splits
+from nd_parallel import LOOPED, V_SHAPED, stage_indices  # the stages a rank runs, as the scripts place them
 
 CONFIG = DecoderConfig(dim=32, n_layers=4, n_heads=8, n_kv_heads=4, hidden=64, max_seq_len=16)
 MODEL_FLAGS = (f"--dim {CONFIG.dim} --n_layers {CONFIG.n_layers} --n_heads {CONFIG.n_heads} --n_kv_heads "
@@ -88,7 +89,6 @@ LAYOUTS = [
     ("one process", 1, "nd_parallel.py", "", ""),
 ]
 WARMUP = 1  # steps left out of the window
-LOOPED, V_SHAPED = {"interleaved_1f1b", "interleaved_zb"}, {"zbv", "dualpipev"}  # the scripts' two-stage schedules
 
 WORKER = r'''
 import contextlib, importlib, io, json, os, socket, struct, sys, time
@@ -290,16 +290,6 @@ def mesh_of(script, world_size, arguments):
     replicate = int(flag(arguments, "--dp_replicate", 1))
     microbatches = int(flag(arguments, "--microbatches", pp * (2 if schedule in LOOPED | V_SHAPED else 1)))
     return pp, replicate, dp // replicate, tp, microbatches, schedule
-
-
-def stage_indices(pp_rank, pp, schedule):
-    """The stages a pipeline rank runs, as the scripts place them: one, or two (looped: r and r + pp; V: r and
-    2 pp - 1 - r)."""
-    if schedule in LOOPED:
-        return [pp_rank, pp_rank + pp]
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank]
 
 
 def units(config, stage, stages, tp):

@@ -57,6 +57,7 @@ WAIT_S = 5.0  # the longest the rank that asks waits for the others' answers
 STORE_TIMEOUT_S = 5.0
 LINGER_S = 2.0
 EXIT_WAIT_S = 2.0
+SETTLE_S = 0.3  # how long a view waits for a just-finished collective's flight recorder entry to be retired
 CPU_SAMPLE_S = 0.3  # how long an answering rank in its own code samples its main thread (busy or idle)
 CHECK_IN_S = 1.0  # the connect timeout of a check-in at the rendezvous store, tried again until the group is made
 SIGTERM_GRACE_S = 1.0  # how long a rank stopped by its launcher waits for its own error to start the question
@@ -703,6 +704,10 @@ def _innermost(tb):
 def view(error=None):
     """What this rank is doing: a dict that json carries to the others."""
     me = {"rank": _rank(), "pid": os.getpid(), "host": socket.gethostname(), "error": None}
+    if running_collectives(_recorder(only_active=True)):
+        # gloo's worker thread wakes the waiting caller first and retires the entry after: under load a collective
+        # that returned can still look running when the next one fails. Give those threads a moment.
+        time.sleep(SETTLE_S)
     dump = _recorder(with_stacks=True)  # the stacks say where DTensor's collectives come from
     running = running_collectives(dump)
     me["recorder"] = bool(dump and dump.get("entries"))

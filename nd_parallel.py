@@ -9,9 +9,9 @@ its stages (pipeline_parallel.py), split over tp (tensor_parallel.py), then shar
 rank sits and what it holds, the loss, each rank's idle time beside its schedule's bubble, and a sample:
 
     Mesh pp 1 x dp_replicate 2 x dp_shard 2 x tp 1 | 4 sequences a data-parallel rank in 1 micro-batch | ...
-    Epoch 0 | Batchsize 4 | Steps 409 | Loss 2.314123 per token
-    Rank 0 | stage 0 | idle 37.7% of a step, measured | bubble (p-1)/(m+p-1) = 0.0%, textbook
-    Sample: "The sot object frould object dingent objects is the ..."
+    Epoch 0 | Batchsize 4 | Steps 513 | Loss 2.302626 per token
+    Rank 0 | stage 0 | idle 34.0% of a step, measured | bubble (p-1)/(m+p-1) = 0.0%, textbook
+    Sample: "The sher should I which king him.\n\nHith alst shall witclan, and wher. O my had some ..."
 
 Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
 pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have
@@ -62,7 +62,7 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the mesh's dimensions, outerm
 class Trainer:
     def __init__(self, parts, train_data, optimizers, args, mesh):
         self.device, self.dtype = device_of(mesh), getattr(torch, args.dtype)
-        self.parts = parts  # this rank's stages, each the decoder less what the stage does not own
+        self.parts = parts  # this rank's parts of the model (torchtitan's model_parts): all of it, or its stages
         self.optimizers = optimizers  # one a part: get_state_dict names an optimizer's parameters by one module
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
         pp = mesh["pp"].size()
@@ -180,7 +180,7 @@ class Trainer:
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
         settle_grads(self.parts)
         for optimizer in self.optimizers:
-            optimizer.step()  # on this rank's pieces of its stages: no communication
+            optimizer.step()  # on this rank's pieces: no communication
         loss = sum(losses, torch.zeros((), device=self.device, dtype=self.dtype))
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
@@ -347,7 +347,7 @@ def load_train_objs(args, mesh):
     train_set = args.train_set
     # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
-    model = Decoder(args.config).init_weights(args.seed).to(getattr(torch, args.dtype))
+    model = Decoder(args.config).init_weights(args.seed).to(device_of(mesh), getattr(torch, args.dtype))
     total = sum(p.numel() for p in model.parameters())
     indices = stage_indices(mesh["pp"].get_local_rank(), mesh["pp"].size(), args.schedule)
     parts, lines = [], []
@@ -355,7 +355,6 @@ def load_train_objs(args, mesh):
         # 1. Pipeline: the stage, under the full model's names.
         part = copy.deepcopy(model) if len(indices) > 1 else model
         names = build_stage(part, index, mesh["pp"].size() * len(indices))
-        part.to(device_of(mesh))
         # 2. Tensor parallel over the tp group: heads and hidden units split, norms over the sequence.
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"])
@@ -421,7 +420,7 @@ def main(args):
     # Each step's global batch is cut into dp pieces: the ranks of one data-parallel coordinate (all their stages
     # and tp pieces) take the same piece.
     dp_rank = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_local_rank()  # torchtitan's way (private API)
-    size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: micro-batches of one shape
+    size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: batches of one shape
     sampler = GlobalOrderSampler(size, dp_rank, args.dp, args.global_batch_size, seed=args.seed)
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
     trainer = Trainer(parts, train_data, optimizers, args, mesh)
@@ -450,8 +449,7 @@ def parse_args(argv=None):
     parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences per step over all ranks")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
-    parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
-                        "else Python's help text)")
+    parser.add_argument("--data", help="a UTF-8 text file (default: data/shakespeare/input.txt, four plays)")
     parser.add_argument("--snapshot_path", default="nd_parallel_checkpoints", help="the checkpoints' directory")
     parser.add_argument("--init_from_hf", metavar="DIR", help="start from a Llama checkpoint in Hugging Face's format "
                         "(config.json, *.safetensors); its config sets the model's sizes")

@@ -13,9 +13,9 @@ tensor_parallel.py: the mesh is pp x tp. It prints what each rank holds, the los
 its schedule's bubble, and a sample:
 
     Mesh pp 2 x tp 1 | 16 sequences in 4 micro-batches | global batch 16 | schedule zbv      (--schedule zbv)
-    Epoch 0 | Batchsize 16 | Steps 409 | Loss 2.313007 per token
-    Rank 0 | stages 0, 3 | idle 30.4% of a step, measured | bubble near 0 once the weight gradients fill it ...
-    Sample: "The sotermeted from sot the of and of in lokes as the class an a ..."
+    Epoch 0 | Batchsize 16 | Steps 513 | Loss 2.298922 per token
+    Rank 0 | stages 0, 3 | idle 17.3% of a step, measured | bubble near 0 once the weight gradients fill it ...
+    Sample: "The sher and mest whick the of him, horrals that they clantle; for thank and dress hoses ..."
 
 Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
 pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have
@@ -65,7 +65,7 @@ DIMS = ("pp", "tp")  # the mesh's dimensions, outermost first
 class Trainer:
     def __init__(self, parts, train_data, optimizers, args, mesh):
         self.device, self.dtype = device_of(mesh), getattr(torch, args.dtype)
-        self.parts = parts  # this rank's stages, each the decoder less what the stage does not own
+        self.parts = parts  # this rank's parts of the model (torchtitan's model_parts): all of it, or its stages
         self.optimizers = optimizers  # one a part: get_state_dict names an optimizer's parameters by one module
         pp = mesh["pp"].size()
         indices = stage_indices(mesh["pp"].get_local_rank(), pp, args.schedule)
@@ -181,7 +181,7 @@ class Trainer:
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
         settle_grads(self.parts)
         for optimizer in self.optimizers:
-            optimizer.step()  # on this rank's pieces of its stages: no communication
+            optimizer.step()  # on this rank's pieces: no communication
         loss = sum(losses, torch.zeros((), device=self.device, dtype=self.dtype))
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
@@ -348,7 +348,7 @@ def load_train_objs(args, mesh):
     train_set = args.train_set
     # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
-    model = Decoder(args.config).init_weights(args.seed).to(getattr(torch, args.dtype))
+    model = Decoder(args.config).init_weights(args.seed).to(device_of(mesh), getattr(torch, args.dtype))
     total = sum(p.numel() for p in model.parameters())
     indices = stage_indices(mesh["pp"].get_local_rank(), mesh["pp"].size(), args.schedule)
     parts, lines = [], []
@@ -356,7 +356,6 @@ def load_train_objs(args, mesh):
         # 1. Pipeline: the stage, under the full model's names.
         part = copy.deepcopy(model) if len(indices) > 1 else model
         names = build_stage(part, index, mesh["pp"].size() * len(indices))
-        part.to(device_of(mesh))
         # 2. Tensor parallel over the tp group: heads and hidden units split, norms over the sequence.
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"])
@@ -410,8 +409,9 @@ def main(args):
         print(f"Mesh {layout_of(mesh)} | {args.global_batch_size} sequences in {m} "
               f"micro-batch{'es' * (m > 1)} | global batch {args.global_batch_size} | schedule {args.schedule}")
         print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
-    # Every rank takes every step's whole batch; the first stage feeds it in, the last compares with its targets.
-    size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: micro-batches of one shape
+    # Every rank takes every step's whole batch (rank 0 of a data-parallel world of 1): one order of the dataset
+    # per epoch, whose position a checkpoint keeps.
+    size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: batches of one shape
     sampler = GlobalOrderSampler(size, 0, 1, args.global_batch_size, seed=args.seed)
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
     trainer = Trainer(parts, train_data, optimizers, args, mesh)
@@ -438,8 +438,7 @@ def parse_args(argv=None):
     parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences per step over all ranks")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
-    parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
-                        "else Python's help text)")
+    parser.add_argument("--data", help="a UTF-8 text file (default: data/shakespeare/input.txt, four plays)")
     parser.add_argument("--snapshot_path", default="pipeline_parallel_checkpoints", help="the checkpoints' directory")
     parser.add_argument("--init_from_hf", metavar="DIR", help="start from a Llama checkpoint in Hugging Face's format "
                         "(config.json, *.safetensors); its config sets the model's sizes")

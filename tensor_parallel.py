@@ -12,8 +12,8 @@ before attention and the MLP, reduce-scattered after. The logits stay split over
 
     Mesh tp 2 | global batch 16, all of it on every rank
     Layer 0 | forward all_gather_into_tensor x2, reduce_scatter_tensor x2 | backward ...
-    Epoch 0 | Batchsize 16 | Steps 409 | Loss 2.305741 per token
-    Sample: "The sompration from the the or and of in looding they class an types.  If arners method types ..."
+    Epoch 0 | Batchsize 16 | Steps 513 | Loss 2.303279 per token
+    Sample: "The sher shous he what brand him.\n\nHam.\nHest shall witclant and where kis?\n\nEdg. ..."
 
 Checkpoints (DCP, with fsdp_checkpoint.py's complete marker) are keyed by the full model's names: tensor_parallel.py,
 pipeline_parallel.py and nd_parallel.py resume from each other's, in any layout, and train on as they would have
@@ -53,10 +53,10 @@ STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, args, mesh):
+    def __init__(self, parts, train_data, optimizers, args, mesh):
         self.device, self.dtype = device_of(mesh), getattr(torch, args.dtype)
-        self.model = model  # its layers split over the ranks by parallelize_module
-        self.optimizer = optimizer
+        self.parts = parts  # this rank's parts of the model (torchtitan's model_parts): all of it, or its stages
+        self.optimizers = optimizers  # one a part: get_state_dict names an optimizer's parameters by one module
         self.train_data = train_data
         self.sampler = train_data.sampler
         self.save_every, self.log_every = args.save_every, args.log_every
@@ -77,10 +77,10 @@ class Trainer:
                      f"{where['world_size']} process{'es' * (where['world_size'] > 1)}")
         elif args.init_from_hf:  # DCP reads the Hugging Face files straight into this rank's pieces
             # The model's state alone: get_state_dict would give a fresh AdamW a first step (state at step 1).
-            weights = [get_model_state_dict(part) for part in [self.model]]
+            weights = [get_model_state_dict(part) for part in self.parts]
             dcp.load({hf_name(key): value for part in weights for key, value in part.items()},
                      storage_reader=HuggingFaceStorageReader(args.init_from_hf), process_group=self.checkpoints.group)
-            for part, part_weights in zip([self.model], weights):
+            for part, part_weights in zip(self.parts, weights):
                 set_model_state_dict(part, part_weights)
             self.log(f"Starting from {args.init_from_hf} (Hugging Face's format)")
 
@@ -101,28 +101,36 @@ class Trainer:
 
     def state(self):
         """This rank's model and optimizer state, keyed by the full model's parameter names."""
-        model, optimizer = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+        model, optimizer = {}, {}
+        for part, part_optimizer in zip(self.parts, self.optimizers):
+            part_model, part_optim = get_state_dict(part, part_optimizer, options=STATE_OPTIONS)
+            model.update(part_model)
+            optimizer.update(part_optim)
         return {"model": model, "optimizer": optimizer}
 
     def set_state(self, state):
-        """The loaded tensors; the optimizer keeps this run's settings (lr, betas), not the saved ones."""
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=STATE_OPTIONS)
-        for group, setting in zip(self.optimizer.param_groups, settings):
-            group.update(setting)
+        """Each part takes its own tensors; its optimizer keeps this run's settings (lr, betas), not the saved ones."""
+        for part, part_optimizer in zip(self.parts, self.optimizers):
+            own_model, own_optim = get_state_dict(part, part_optimizer, options=STATE_OPTIONS)
+            settings = [{k: v for k, v in group.items() if k != "params"} for group in part_optimizer.param_groups]
+            set_state_dict(part, part_optimizer, model_state_dict={k: state["model"][k] for k in own_model},
+                           optim_state_dict={k: state["optimizer"][k] for k in own_optim}, options=STATE_OPTIONS)
+            for group, setting in zip(part_optimizer.param_groups, settings):
+                group.update(setting)
 
     def _save(self):
         path = self.checkpoints.start(self.where())
         self.checkpoints.saving(dcp.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
 
     def _run_batch(self, source, targets):
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         with loss_parallel():  # the cross-entropy of logits split over the vocabulary, forward and backward
-            loss = self.loss(self.model(source), targets)
+            loss = self.loss(self.parts[0](source), targets)  # one part: the whole model, split by tp
             loss.backward()
-        settle_grads([self.model])
-        self.optimizer.step()
+        settle_grads(self.parts)
+        for optimizer in self.optimizers:
+            optimizer.step()  # on this rank's pieces: no communication
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
     def _first_step_counted(self, source, targets):
@@ -131,7 +139,7 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             with CommDebugMode() as counted:
                 loss = self._run_batch(source, targets)
-        self.log(collective_lines(counted.comm_module_counts, self.model))
+        self.log(collective_lines(counted.comm_module_counts, self.parts[0]))
         return loss
 
     def _run_epoch(self, epoch):
@@ -277,8 +285,9 @@ def load_train_objs(args, mesh):
     total = sum(p.numel() for p in model.parameters())
     names = ["embed_tokens", *(f"layers.{i}" for i in range(len(model.layers))), "norm", "lm_head"]
     apply_tp(model, mesh["tp"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    return train_set, model, optimizer, holdings(model, names, total)
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                  for part in [model]]
+    return train_set, [model], optimizers, holdings(model, names, total)
 
 
 def main(args):
@@ -313,7 +322,7 @@ def main(args):
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
     mesh = dist.device_mesh.init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
-    dataset, model, optimizer, holds = load_train_objs(args, mesh)
+    dataset, parts, optimizers, holds = load_train_objs(args, mesh)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, holds)
     if rank == 0:
@@ -325,9 +334,9 @@ def main(args):
     size = len(dataset) // args.global_batch_size * args.global_batch_size  # whole steps: batches of one shape
     sampler = GlobalOrderSampler(size, 0, 1, args.global_batch_size, seed=args.seed)
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
-    trainer = Trainer(model, train_data, optimizer, args, mesh)
+    trainer = Trainer(parts, train_data, optimizers, args, mesh)
     newest = trainer.train(args.total_epochs)
-    del trainer, model, optimizer  # they hold the process group: free them, so destroy_process_group frees it
+    del trainer, parts, optimizers  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()
     mesh._pg_registry.clear()  # torch's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
@@ -342,11 +351,10 @@ def parse_args(argv=None):
     parser.add_argument("--total_epochs", "--epochs", type=positive_int, default=1, help="passes over the text")
     parser.add_argument("--save_every", type=positive_int, default=1, help="epochs between checkpoints, and the last")
     parser.add_argument("--log_every", type=int, default=25, help="steps between loss lines; 0: once an epoch")
-    parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences a step, on every rank")
+    parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences per step over all ranks")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
-    parser.add_argument("--data", help="a UTF-8 text file (default: data/tinyshakespeare/input.txt where it is, "
-                        "else Python's help text)")
+    parser.add_argument("--data", help="a UTF-8 text file (default: data/shakespeare/input.txt, four plays)")
     parser.add_argument("--snapshot_path", default="tensor_parallel_checkpoints", help="the checkpoints' directory")
     parser.add_argument("--init_from_hf", metavar="DIR", help="start from a Llama checkpoint in Hugging Face's format "
                         "(config.json, *.safetensors); its config sets the model's sizes")

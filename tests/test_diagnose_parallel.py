@@ -27,7 +27,7 @@ SIZES = ["--dim", "32", "--n_layers", "2", "--n_heads", "4", "--n_kv_heads", "2"
          "--total_epochs", "2", "--save_every", "1000"]
 BATCH, SEQ, DIM = 16, 16, 32  # SIZES's global batch (sequences), sequence length and width
 MICROBATCHES = 2  # pipeline_parallel.py's default on 2 ranks (1f1b: one a stage)
-TEXT_CHARACTERS = 4000  # of Python's help text (language_model.read_text's default)
+TEXT_CHARACTERS = 4000  # of language_model.read_text()'s default text (data/shakespeare)
 
 def line_of(script, marker):
     """'script:N', the first line of the repository's `script` that holds `marker`."""

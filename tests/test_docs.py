@@ -296,7 +296,7 @@ def diff_lines(a, b):
 def test_the_diff_sizes_the_docs_print_are_the_scripts_own():
     tutorial = (REPO / "docs" / "tutorial.md").read_text()
     steps = re.findall(r"^\| `([\w./]+)` -> `([\w./]+)` \| (\d+) \|$", tutorial, re.M)
-    assert len(steps) == 6, steps
+    assert len(steps) == 7, steps
     features = re.findall(r"^\| \[`(\w+\.py)`\]\(\.\./by_feature/\w+\.py\) \|.*\| (\d+) \| \[[^]]+\]\([^)]+\) \|$",
                           (REPO / "docs" / "features.md").read_text(), re.M)
     assert sorted(name for name, _ in features) == sorted(p.name for p in (REPO / "by_feature").glob("*.py"))
@@ -314,7 +314,8 @@ def test_the_tutorial_walks_through_every_hunk_of_each_diff():
     assert [(a, b) for a, b, _ in sections] == [
         ("singlegpu.py", "multigpu.py"), ("multigpu.py", "multigpu_torchrun.py"),
         ("multigpu_torchrun.py", "multinode.py"), ("multigpu_torchrun.py", "fsdp.py"),
-        ("tensor_parallel.py", "pipeline_parallel.py"), ("pipeline_parallel.py", "nd_parallel.py")]
+        ("fsdp.py", "tensor_parallel.py"), ("tensor_parallel.py", "pipeline_parallel.py"),
+        ("pipeline_parallel.py", "nd_parallel.py")]
     for a, b, text in sections:
         hunks = run(["diff", "-u", a, b], cwd=REPO, check=False, timeout=30).stdout.count("\n@@ ")
         items = [int(n) for n in re.findall(r"^(\d+)\. \*\*", text, re.M)]

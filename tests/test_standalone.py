@@ -7,6 +7,7 @@ The copies' launches are the quick subset's core (`python -m pytest -m quick tes
 launcher, at a small size, learns (its loss falls) or checks its collectives, and exits cleanly.
 """
 import ast
+import hashlib
 import json
 import re
 import shutil
@@ -69,7 +70,7 @@ def test_the_shared_modules_are_small_and_import_only_torch(name, lines):
 
 
 SMALL = ("--input_size", "20", "--epochs", "3")
-# Steps 6 to 8: a small decoder on the first 12,000 characters of the default text (Python's help text here).
+# Steps 6 to 8: a small decoder on the first 12,000 characters of the default text (data/shakespeare).
 LM = ("--dim", "32", "--n_layers", "2", "--hidden", "64", "--seq_len", "32", "--global_batch_size", "16",
       "--total_epochs", "3", "--data", "text.txt", "--log_every", "0", "--sample", "40")
 TORCHRUN = (BIN / "torchrun", "--standalone", "--nproc_per_node=2")
@@ -117,6 +118,19 @@ def env_alone(name):
     env = (mpi_env if "mpirun" in name else clean_env)()
     env.pop("PYTHONPATH", None)  # tests/support's probe alone goes on it (conftest.run): it checks the clean exit
     return env
+
+
+def test_the_default_text_is_the_one_its_readme_names_and_a_lone_copy_has_one_too(tmp_path):
+    """Steps 6 to 8 train on data/shakespeare/input.txt, as its README describes it (size and MD5); language_model.py
+    copied without it trains on Python's own help text, and says so."""
+    readme = (REPO / "data" / "shakespeare" / "README.md").read_text()
+    data = (REPO / "data" / "shakespeare" / "input.txt").read_bytes()
+    assert f"{len(data):,} bytes" in readme and f"MD5 `{hashlib.md5(data).hexdigest()}`" in readme
+    shutil.copy(REPO / "language_model.py", tmp_path)
+    code = "import language_model; text, about = language_model.read_text(); print(len(text), about)"
+    said = run([sys.executable, "-c", code], cwd=tmp_path, env=env_alone("")).stdout
+    assert "Python's help text (pydoc_data: no data/shakespeare/input.txt here)" in said, said
+    assert int(said.split()[0]) > 100_000, said
 
 
 def test_nothing_of_the_repository_can_be_imported_in_an_empty_folder(tmp_path):

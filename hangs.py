@@ -139,7 +139,7 @@ def parse_args():
         parser.error("--steps, --log_every, --batch_size and --timeout must be positive, --at_step and "
                      "--fault_rank not negative")
     if "RANK" not in os.environ:
-        parser.error("start it with torchrun, under the diagnosis tool: python -m diagnose --timeout 10 "
+        parser.error("start it with torchrun, under the diagnosis tool: python -m torchdiagnose --timeout 10 "
                      "torchrun --standalone --nproc_per_node=2 hangs.py --fault stall")
     if args.fault_rank >= int(os.environ["WORLD_SIZE"]):
         parser.error(f"--fault_rank {args.fault_rank} is not a rank of {os.environ['WORLD_SIZE']} "

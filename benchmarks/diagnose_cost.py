@@ -1,5 +1,5 @@
-"""What torchdiagnose (`python -m diagnose`) costs a job that does not hang: the tutorial's step 3 and train.py, each
-launched with and without the prefix, the launches alternating so that both settings share whatever else loads the
+"""What torchdiagnose (`python -m torchdiagnose`) costs a job that does not hang: the tutorial's step 3 and train.py,
+each launched with and without the prefix, the launches alternating so that both settings share whatever else loads the
 machine.
 
     python benchmarks/diagnose_cost.py                               # 5 pairs of each; some minutes
@@ -43,7 +43,7 @@ def throughput(script_args, prefixed, timeout):
         else:
             argv += ["--output_dir", f"{tmp}/out"]
         if prefixed:
-            argv = [sys.executable, "-m", "diagnose", *argv]
+            argv = [sys.executable, "-m", "torchdiagnose", *argv]
         _, _, code, output = launch_once(argv, REPO, clean_env(), timeout)
     match = SUMMARY.search(output)
     if code != 0 or not match:

@@ -1,10 +1,10 @@
 """Uneven inputs with Join: ranks with different numbers of batches train together.
 
     torchrun --standalone --nproc_per_node=2 by_feature/uneven_inputs.py            # rank 1 has twice rank 0's data
-    python -m diagnose --timeout 10 torchrun --standalone --nproc_per_node=2 by_feature/uneven_inputs.py --no_join
+    python -m torchdiagnose --timeout 10 torchrun --standalone --nproc_per_node=2 by_feature/uneven_inputs.py --no_join
 
 Rank r gets a share of the data proportional to r + 1. Without Join, the rank that runs out first waits for the
-others, which wait for an all-reduce it never joins: a hang until --timeout (python -m diagnose names the ranks).
+others, which wait for an all-reduce it never joins: a hang until --timeout (python -m torchdiagnose names the ranks).
 Join has it shadow their all-reduces until all are done. It pays when data cannot be split evenly: whole files per
 rank, samples of very different cost.
 by_feature/X.py is torchrun_ddp.py plus one feature: `diff -u torchrun_ddp.py by_feature/X.py` (docs/features.md).

@@ -1,4 +1,4 @@
-"""torchdiagnose (as `python -m diagnose`, the package requirements-dev.txt installs) on a DDP script of the user's
+"""torchdiagnose (as `python -m torchdiagnose`, the package requirements-dev.txt installs) on a DDP script of the user's
 own: written here, torch only, no timeout given to init_process_group (gloo's default is 30 minutes), importing
 nothing of this repository, run with nothing of the repository on PYTHONPATH. A rank stalls, is killed, skips a
 collective or calls another shape; the tool's one line names the rank, the collective and the script's line, and
@@ -99,7 +99,7 @@ def line_of(marker):
 
 
 def diagnose_cmd(*launch, timeout=TIMEOUT, options=()):
-    return [sys.executable, "-m", "diagnose", "--timeout", str(timeout), *options, *map(str, launch)]
+    return [sys.executable, "-m", "torchdiagnose", "--timeout", str(timeout), *options, *map(str, launch)]
 
 
 def launch(launcher, script, nproc=2):
@@ -295,7 +295,7 @@ def test_nccl_without_a_gpu_is_one_line(tmp_path):
     (["no-such-launcher", "x.py"], "no-such-launcher: command not found"),
 ])
 def test_bad_input_is_one_line(args, message):
-    result = subprocess.run([sys.executable, "-m", "diagnose", *args], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "torchdiagnose", *args], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse's usage line, then the error
@@ -314,8 +314,8 @@ def test_it_works_with_torch_outside_its_pythons_own_packages(tmp_path):
     (packages / "elsewhere.pth").write_text(f"{elsewhere}\n")
     (packages / "_torchdiagnose.pth").write_text(f"{SOURCE}\n")
     shutil.copy(SOURCE / "torchdiagnose-hook.pth", packages)
-    cmd = [python, "-m", "diagnose", "--timeout", str(TIMEOUT), python, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=2", user_script(tmp_path)]
+    cmd = [python, "-m", "torchdiagnose", "--timeout", str(TIMEOUT), python, "-m", "torch.distributed.run",
+           "--standalone", "--nproc_per_node=2", user_script(tmp_path)]
     code, lines = watch(cmd, env_for("torchrun", FAULT="stall"), tmp_path)
     line = the_line(lines)
     assert code != 0 and f"backward() at {line_of('the backward line')}) waited" in line, line
@@ -326,9 +326,9 @@ def test_it_works_with_torch_outside_its_pythons_own_packages(tmp_path):
 def test_the_private_torch_apis_it_uses_exist():
     """diagnose/rank.py's PRIVATE_APIS, each found in this torch; a torch upgrade that removes one fails here, by
     name (and under the tool, the job says it in one line and runs as without it: test_diagnose_installed.py)."""
-    from diagnose import rank
+    from torchdiagnose import rank
     assert rank.missing_api() is None, f"torch {torch.__version__} has no {rank.missing_api()}"
-    documented = (SOURCE / "diagnose" / "rank.py").read_text().split('"""')[1]
+    documented = (SOURCE / "torchdiagnose" / "rank.py").read_text().split('"""')[1]
     for name in rank.PRIVATE_APIS:
         assert name.rsplit(".", 1)[-1] in documented, name
 
@@ -351,7 +351,7 @@ def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_
 
 def test_the_line_at_three_ranks_names_each_rank_by_what_it_does():
     """lines.compose from answers as ranks post them: one rank in its own code, one gone, one waiting."""
-    from diagnose import lines
+    from torchdiagnose import lines
     question = {"by": 0, "reason": "timeout", "waited": 7.0, "timeout": 6.0, "folder": "fr_traces/x"}
     waiting = {"rank": 0, "running": [{"seq": 9, "kind": "all_reduce", "shapes": "[10]", "group": "0", "waited": 7.0}],
                "where": "train.py:40", "inner": None, "backward": True, "error": None, "recorder": True}
@@ -377,7 +377,7 @@ def test_the_call_site_in_the_script_comes_first_then_the_innermost_frame():
     and the innermost of all (a library's)."""
     from traceback import FrameSummary
 
-    from diagnose import lines
+    from torchdiagnose import lines
     script, model = str(REPO / "x" / "train.py"), str(REPO / "x" / "model.py")
     library = str(Path(torch.__file__).parent / "nn" / "functional.py")
     frames = [FrameSummary(script, 90, "<module>"), FrameSummary(script, 41, "evaluate"),
@@ -409,7 +409,7 @@ def test_two_nodes_whose_host_names_resolve_to_loopback_are_one_line(tmp_path):
                             "--rdzv_id=loopback", f"--rdzv_endpoint={net.addresses[0]}:{port}",
                             f"--local_addr={net.addresses[node]}",
                             f"--rdzv_conf=is_host={int(node == 0)},join_timeout=60"]
-                command = " ".join(map(str, [sys.executable, "-m", "diagnose", "--timeout", TIMEOUT, *torchrun,
+                command = " ".join(map(str, [sys.executable, "-m", "torchdiagnose", "--timeout", TIMEOUT, *torchrun,
                                              script]))
                 agents.append(start(["ip", "netns", "exec", net.names[node], "unshare", "--uts", "sh", "-c",
                                      f"hostname node{node} && exec {command}"], REPO, clean_env()))
@@ -495,7 +495,7 @@ def test_a_host_the_script_itself_names_is_checked_in_the_rank(tmp_path):
 def test_a_pipelines_p2p_ops_are_named_by_the_peer_stage_and_what_they_carry():
     """lines.describe_p2p and compose on answers as pipeline stages post them (tensor_parallel.py's and
     pipeline_parallel.py's real stalls: test_diagnose_parallel.py)."""
-    from diagnose import lines
+    from torchdiagnose import lines
     question = {"by": 1, "reason": "timeout", "waited": 7.0, "timeout": 6.0, "folder": "fr_traces/x"}
     three = [{"index": s, "ranks": {0: 0, 1: 1, 2: 2}} for s in range(3)]
 

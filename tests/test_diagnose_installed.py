@@ -210,22 +210,27 @@ def test_the_wheel_installs_the_command_and_its_hook_and_nothing_of_the_reposito
     version = subprocess.run([venv / "bin" / "torchdiagnose", "--version"], cwd=elsewhere, env=job_env(),
                              capture_output=True, text=True, timeout=60, check=True).stdout
     assert version.startswith("torchdiagnose ") and f"tested with torch {torch.__version__.split('+')[0]}" in version
-    same = subprocess.run([python, "-m", "diagnose", "--version"], cwd=elsewhere, env=job_env(), capture_output=True,
-                          text=True, timeout=60, check=True).stdout
+    same = subprocess.run([python, "-m", "torchdiagnose", "--version"], cwd=elsewhere, env=job_env(),
+                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert same == version
-    probe = ("import diagnose, importlib.util, sys; print(diagnose.__file__); "
+    probe = ("import torchdiagnose, importlib.util, sys; print(torchdiagnose.__file__); "
              "print(importlib.util.find_spec('models_and_data'), importlib.util.find_spec('benchmarks'), "
-             "'diagnose.hook' in sys.modules)")
+             "'torchdiagnose.hook' in sys.modules)")
     found = subprocess.run([python, "-c", probe], cwd=elsewhere, env=job_env(), capture_output=True, text=True,
                            timeout=60, check=True).stdout.split("\n")
     # The wheel's: the tests' Python's folders come after the venv's own on sys.path, and its editable install
     # (requirements-dev.txt) is not loaded here.
     assert found[0].startswith(str(venv)), found
     assert found[1] == "None None False", found  # nothing of the repository; the hook only under the prefix
-    hooked = subprocess.run([python, "-c", "import sys, diagnose.hook as h; print('diagnose.hook' in sys.modules, "
-                             "h.__file__)"], cwd=elsewhere, env=job_env(DIAGNOSE_TIMEOUT="5"), capture_output=True,
-                            text=True, timeout=60, check=True).stdout.split()
+    # Under the tool (DIAGNOSE_TIMEOUT set: the hook loads at start-up), a user's own diagnose.py is the one
+    # `import diagnose` gets: the tool's package has a name of its own.
+    (elsewhere / "diagnose.py").write_text('WHO = "the user\'s"\n')
+    hooked = subprocess.run([python, "-c", "import sys, torchdiagnose.hook as h, diagnose; print("
+                             "'torchdiagnose.hook' in sys.modules, h.__file__, diagnose.__file__, diagnose.WHO)"],
+                            cwd=elsewhere, env=job_env(DIAGNOSE_TIMEOUT="5"), capture_output=True, text=True,
+                            timeout=60, check=True).stdout.split()
     assert hooked[0] == "True" and hooked[1].startswith(str(venv)), hooked  # loaded at start-up, from the wheel
+    assert hooked[2] == str(elsewhere / "diagnose.py") and hooked[3:] == ["the", "user's"], hooked
 
 
 def test_torchrun_a_stopped_rank_is_named_stopped_and_the_job_ends_at_once(venv, elsewhere):

@@ -72,8 +72,8 @@ def program_and_script(tokens):
     tokens = [t for t in tokens if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", t)]  # VAR=value prefixes
     while tokens and tokens[0] in ("env", "exec", "time"):
         tokens = tokens[1:]
-    # the diagnosis prefix (torchdiagnose, or python -m diagnose): its own options, then the launch command
-    prefix = 1 if tokens[:1] == ["torchdiagnose"] else 3 if tokens[1:3] == ["-m", "diagnose"] else 0
+    # the diagnosis prefix (torchdiagnose, or python -m torchdiagnose): its own options, then the launch command
+    prefix = 1 if tokens[:1] == ["torchdiagnose"] else 3 if tokens[1:3] == ["-m", "torchdiagnose"] else 0
     if prefix:
         tokens = tokens[prefix:]
         while tokens and tokens[0].startswith("--"):
@@ -142,7 +142,7 @@ def test_every_documented_command_names_a_script_and_flags_that_exist(page, prog
 
 
 def test_the_diagnosis_prefix_flags_are_its_own():
-    from diagnose.__main__ import parser
+    from torchdiagnose.__main__ import parser
     options = {o for action in parser()._actions for o in action.option_strings if o.startswith("--")}
     assert options == DIAGNOSE_FLAGS
 

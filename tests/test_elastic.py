@@ -134,7 +134,7 @@ def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_
     release_when_stopped_by_torchrun(held)
 
     # Node 1 leaves once it saved at world size 2: the whole node dies, its torchrun agent and its worker. (A
-    # worker whose agent alone dies ends with it under python -m diagnose: tests/test_diagnose.py.)
+    # worker whose agent alone dies ends with it under python -m torchdiagnose: tests/test_diagnose.py.)
     wait_for(lambda: epochs_in(node1) > join1 or second.poll() is not None, 120, "node 1's snapshot at size 2")
     held = hold(first, restart=0)
     worker = torchrun_worker(second.pid, 0, 0)
@@ -232,7 +232,7 @@ def test_the_documented_elastic_command_lets_a_node_join(tmp_path):
 
 @pytest.mark.slow
 def test_under_the_diagnosis_tool_a_node_joins_whichever_launcher_started_it(tmp_path):
-    """Without the variable, each node started through `python -m diagnose` (torchdiagnose): node 0 by `python -m
+    """Without the variable, each node started through `python -m torchdiagnose` (torchdiagnose): node 0 by `python -m
     torch.distributed.launch --use-env`, node 1 by `python -m torch.distributed.run`. The tool sees the elastic
     --nnodes, says so in one line and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: node 1 joins, both finish."""
     port = free_port()
@@ -246,7 +246,7 @@ def test_under_the_diagnosis_tool_a_node_joins_whichever_launcher_started_it(tmp
 
     def node(number):
         command = agent_cmd(number, port, "--total_epochs", "8", launcher=launchers[number])
-        return start([sys.executable, "-m", "diagnose", *map(str, command)], tmp_path, env)
+        return start([sys.executable, "-m", "torchdiagnose", *map(str, command)], tmp_path, env)
 
     tools = [node(0)]
     wait_for(lambda: epochs_in(tmp_path / "node0.pt") >= 1 or tools[0].poll() is not None, 120, "node 0's snapshot")

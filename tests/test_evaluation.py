@@ -108,9 +108,9 @@ def test_uneven_shards_train_with_join(uneven_run):
 
 def test_uneven_shards_without_join_hang_and_diagnose_names_both_sides(tmp_path):
     """Without Join the rank that runs out first waits for the others (at a barrier), they for an all-reduce it
-    never joins: a hang, which `python -m diagnose --timeout 5` names with both sides, and the job ends; nothing
+    never joins: a hang, which `python -m torchdiagnose --timeout 5` names with both sides, and the job ends; nothing
     aborts (run() fails the test on "terminate called" or SIGABRT, and when the launch outlives its own timeout)."""
-    result = run([sys.executable, "-m", "diagnose", "--timeout", "5",
+    result = run([sys.executable, "-m", "torchdiagnose", "--timeout", "5",
                   *torchrun_cmd(UNEVEN, "--no_join", "--epochs", "2", "--snapshot_path", "uneven.pt", *SMALL)],
                  cwd=tmp_path, env=clean_env(PYTHONPATH=REPO), check=False, timeout=120)
     assert result.returncode != 0

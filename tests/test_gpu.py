@@ -1,5 +1,5 @@
 """The GPU path: every script with NCCL on real GPUs, at world size 1 and (with two GPUs) 2, DataParallel
-beside DDP in ddp.py, mixed precision on the GPU, torchft's NCCL group, python -m diagnose over an NCCL job, and
+beside DDP in ddp.py, mixed precision on the GPU, torchft's NCCL group, python -m torchdiagnose over an NCCL job, and
 more ranks than GPUs. Every launch here names gpu_env(): the other tests' launches have the GPUs hidden. Skipped,
 with the reason, where torch sees no CUDA GPU; on a GPU machine:
 
@@ -159,7 +159,7 @@ def test_fault_tolerant_commits_every_step_on_nccl(tmp_path):
 def test_diagnose_leaves_a_healthy_nccl_job_alone(tmp_path):
     """The tool's watchdog reads NCCL's flight recorder and each group's count of collectives: on a job that does
     not hang it says nothing, and the job trains and exits 0 as without it."""
-    result = run([sys.executable, "-m", "diagnose", "--timeout", "30",
+    result = run([sys.executable, "-m", "torchdiagnose", "--timeout", "30",
                   *torchrun_cmd("multigpu_torchrun.py", "4", "2", nproc=min(GPUS, 2))],
                  cwd=tmp_path, env=gpu_env(PYTHONPATH=REPO))
     assert_trained_on_nccl(result.stdout, min(GPUS, 2))

@@ -223,9 +223,9 @@ def test_multinode_restart_ends_bitwise_equal(tmp_path, uninterrupted, store):
 
 
 def test_multinode_survivor_exits_within_the_timeout_when_a_node_dies(tmp_path):
-    """Each node under python -m diagnose (docs/hangs.md): the survivor names the dead rank in one line."""
+    """Each node under python -m torchdiagnose (docs/hangs.md): the survivor names the dead rank in one line."""
     port = free_port()
-    agents = [start([sys.executable, "-m", "diagnose", "--timeout", "20",
+    agents = [start([sys.executable, "-m", "torchdiagnose", "--timeout", "20",
                      *multinode_agent_cmd(node, port, "--total_epochs", "100000", "--save_every", "1",
                                           "--timeout", "20")], tmp_path, clean_env(PYTHONPATH=REPO))
               for node in (0, 1)]

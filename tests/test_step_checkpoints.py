@@ -202,7 +202,7 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
     two nodes; node 1's agent killed mid-epoch (its worker goes with it), node 0 goes on alone from the last step
     snapshot, mid-epoch; node 2 joins, and the two go on from where node 0 got to. Every restart loses at most N
     steps, and every epoch's samples are each trained on once (counted from the probe). Each node runs under
-    `python -m diagnose`, which ties a worker's life to its agent's (the script does not)."""
+    `python -m torchdiagnose`, which ties a worker's life to its agent's (the script does not)."""
     probes, port = tmp_path / "probe", free_port()
     probes.mkdir()
     # 10 ms a step: node 0 alone must still be training when the test stops it (it would finish in a second).
@@ -214,7 +214,7 @@ def test_nodes_that_die_and_join_mid_epoch_lose_at_most_n_steps_and_train_every_
         return children(job.pid)[0]
 
     def node(number):
-        return start([sys.executable, "-m", "diagnose", "--timeout", "30", BIN / "torchrun", "--nnodes=1:2",
+        return start([sys.executable, "-m", "torchdiagnose", "--timeout", "30", BIN / "torchrun", "--nnodes=1:2",
                       "--nproc_per_node=1", "--max_restarts=3", "--rdzv_id=steps",
                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                       f"--rdzv_conf={RDZV_CONF.replace('last_call_timeout=1', 'last_call_timeout=5')}",

@@ -1,6 +1,6 @@
 """What torchdiagnose adds to each process of a job (see diagnose/__init__.py for what it does).
 
-Armed by diagnose.hook (which torchdiagnose-hook.pth imports where the prefix set DIAGNOSE_TIMEOUT), it waits for
+Armed by torchdiagnose.hook (which torchdiagnose-hook.pth imports where the prefix set DIAGNOSE_TIMEOUT), it waits for
 torch.distributed to be imported and patches four places, and nothing else:
 
 - init_process_group: as it waits, this rank checks in at the rendezvous store (so that a rank that waits too
@@ -14,7 +14,7 @@ torch.distributed to be imported and patches four places, and nothing else:
 - in a launcher that is a Python process (torchrun's agent, mp.spawn's parent), reaping a child: a rank's exit
   code or signal, and the signal that stopped it, are written where the ranks of the node can read them.
 - isend and irecv (and through them send, recv, batch_isend_irecv and torch.distributed.pipelining): each op is
-  noted, as gloo's flight recorder does not record them (diagnose/parallel.py).
+  noted, as gloo's flight recorder does not record them (torchdiagnose/parallel.py).
 
 The tool's own frames are taken out of every traceback that passes through its wrappers (_hide_frame): the
 user's traceback reads as without the tool.
@@ -48,8 +48,8 @@ import time
 import traceback
 from datetime import timedelta
 
-import diagnose
-from diagnose import address as rendezvous, lines, names, node, parallel
+import torchdiagnose
+from torchdiagnose import address as rendezvous, lines, names, node, parallel
 
 POLL_S = 0.5  # how often the watchdog looks at the groups' counts, and whether another rank asks
 LEAVE_S = 2.0  # the longest a rank that ends waits for the others to end too (see _leave)
@@ -94,7 +94,7 @@ STATE = State()
 
 
 def arm():
-    """Called by diagnose.hook: patch torch.distributed, mp.spawn and child reaping once they are imported."""
+    """Called by torchdiagnose.hook: patch torch.distributed, mp.spawn and child reaping once they are imported."""
     if STATE.armed:
         return
     STATE.armed = True
@@ -272,7 +272,7 @@ def _check_api():
         STATE.off = True
         import torch
         if node.claim("api"):
-            _say(lines.missing_api(missing, torch.__version__, diagnose.TESTED_TORCH))
+            _say(lines.missing_api(missing, torch.__version__, torchdiagnose.TESTED_TORCH))
 
 
 def _patch_spawn(spawn):

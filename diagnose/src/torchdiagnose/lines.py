@@ -13,7 +13,7 @@ import sys
 import sysconfig
 import time
 
-from diagnose import names
+from torchdiagnose import names
 
 DUMP_ROOT = "fr_traces"
 BUSY = 0.5  # the share of samples in which a rank's main thread was running, above which it is busy, not idle

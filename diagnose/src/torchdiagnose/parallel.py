@@ -23,7 +23,7 @@ import functools
 import time
 import weakref
 
-from diagnose import lines
+from torchdiagnose import lines
 
 RING = 256  # the last point-to-point ops noted: a stage waits on one of its newest
 FRAMES = 3  # how many of the main thread's innermost frames may hold the Work it waits on

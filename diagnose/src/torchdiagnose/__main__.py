@@ -8,8 +8,8 @@ import sys
 import tempfile
 import time
 
-import diagnose
-from diagnose import address, names, node
+import torchdiagnose
+from torchdiagnose import address, names, node
 
 PROG = "torchdiagnose"
 GRACE_S = 3.0  # after a rank declared the job failed: how long its ranks get to write their dumps and end
@@ -32,12 +32,12 @@ def version():
         torch = installed("torch")
     except Exception:  # noqa: BLE001  no torch here (the job's Python may be another): say so, nothing fails
         torch = "not installed in this Python"
-    return (f"{PROG} {diagnose.__version__} (tested with torch {', '.join(diagnose.TESTED_TORCH)}; "
+    return (f"{PROG} {torchdiagnose.__version__} (tested with torch {', '.join(torchdiagnose.TESTED_TORCH)}; "
             f"this Python's torch: {torch})")
 
 
 def parser():
-    p = argparse.ArgumentParser(prog=PROG, description=diagnose.__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=torchdiagnose.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--timeout", type=positive_seconds, default=300.0,
                    help="seconds a collective may wait before the ranks are asked (default 300)")

@@ -3,7 +3,7 @@ write there for each other, and what /proc says of a process."""
 import os
 import signal
 
-from diagnose import names
+from torchdiagnose import names
 
 
 def folder():

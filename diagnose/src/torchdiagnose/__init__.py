@@ -1,6 +1,6 @@
 """torchdiagnose: which rank, which collective, which line, when a PyTorch distributed job hangs or loses a rank.
 
-    torchdiagnose [--timeout SECONDS] [--keep-waiting] LAUNCH COMMAND ...      (or: python -m diagnose ...)
+    torchdiagnose [--timeout SECONDS] [--keep-waiting] LAUNCH COMMAND ...      (or: python -m torchdiagnose ...)
     torchdiagnose --timeout 60 torchrun --standalone --nproc_per_node=2 train.py
     torchdiagnose python train_spawn.py                     # a script that calls mp.spawn
     torchdiagnose mpirun -np 2 python train.py

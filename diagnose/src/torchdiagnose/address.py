@@ -8,7 +8,7 @@ known from the command and this host in milliseconds; this module says them in o
 import os
 import socket
 
-from diagnose import lines
+from torchdiagnose import lines
 
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 

@@ -364,12 +364,65 @@ def test_the_line_at_three_ranks_names_each_rank_by_what_it_does():
             "torch/nn/functional.py:2910 in layer_norm), busy on the CPU") in line, line
     assert "rank 2 is gone: killed by SIGKILL (pid 77, on n1)" in line, line
     assert line.endswith("no torchfrtrace: rank 2 did not answer, so wrote no flight recorder dump, and torchfrtrace "
-                         "compares every rank's; ranks 0, 1 wrote theirs to fr_traces/x"), line
+                         "compares every rank's; ranks 0, 1 wrote theirs to fr_traces/x: `torchfrtrace "
+                         "--allow-incomplete-ranks fr_traces/x` reads them"), line
     stopped = lines.compose(question, {0: waiting, 1: busy}, {2: {"pid": 77, "host": "n1", "state": "T",
                                                                  "stop_signal": "SIGSTOP", "local": True}}, 3)
     assert "rank 2 is stopped by SIGSTOP (pid 77, on n1): it runs nothing until it gets SIGCONT" in stopped, stopped
     every = lines.compose(question, {0: waiting, 1: busy, 2: dict(waiting, rank=2)}, {}, 3)
     assert every.endswith("; flight recorder: `torchfrtrace fr_traces/x`"), every
+
+
+def test_on_a_mesh_each_group_waits_for_its_own_and_the_rank_at_fault_comes_first():
+    """compose on answers as a dp_shard 2 x tp 2 job posts them (nd_parallel.py's real stops and kills:
+    test_diagnose_parallel.py). Ranks of different groups wait in different collectives by design: none is "the odd
+    one out". The rank in no collective is named first, then who waits where, and for whom."""
+    from torchdiagnose import lines
+    question = {"by": 0, "reason": "timeout", "waited": 7.0, "timeout": 6.0, "folder": "fr_traces/x"}
+
+    def waiting(rank, seq, name, dimension, ranks, shapes, origin):
+        entry = {"seq": seq, "kind": "all_gather", "shapes": shapes, "group": f"mesh_{dimension}", "group_name": name,
+                 "ranks": ranks, "waited": 7.0, "origin": origin}
+        return {"rank": rank, "running": [entry], "where": "nd.py:120", "model": "model.py:136 in forward",
+                "inner": None, "backward": False, "error": None, "recorder": True}
+
+    fsdp, tp = "FSDP's", "DTensor in PrepareModuleInput of layers.0.self_attn"
+    answers = {0: waiting(0, 114, "9", "dp_shard", [0, 2], "[2336]", fsdp),
+               1: waiting(1, 114, "10", "dp_shard", [1, 3], "[2336]", fsdp),
+               2: waiting(2, 367, "4", "tp", [2, 3], "[8, 8, 32]", tp)}
+    stopped = {3: {"pid": 7, "host": "n1", "state": "T", "stop_signal": "SIGSTOP", "local": True}}
+    line = lines.compose(question, answers, stopped, 4)
+    assert line.startswith(
+        "diagnose: collective #114 (all_gather of [2336], FSDP's at nd.py:120 via model.py:136 in forward) in dp_shard "
+        "group [1, 3] waited more than --timeout 6s: rank 3 is stopped by SIGSTOP (pid 7, on n1): it runs nothing "
+        "until it gets SIGCONT; waiting: rank 0 in #114 (all_gather of [2336], FSDP's at nd.py:120 via model.py:136 "
+        "in forward) of dp_shard group [0, 2], for rank 2, which waits in turn; rank 1 in the collective above of "
+        "dp_shard group [1, 3], for rank 3; rank 2 in #367 (all_gather of [8, 8, 32], DTensor in PrepareModuleInput "
+        "of layers.0.self_attn at nd.py:120 via model.py:136 in forward) of tp group [2, 3], for rank 3; no "
+        "torchfrtrace: rank 3 did not answer"), line
+    # Every rank in a collective, each waiting for a rank that waits in another group: an order that differs.
+    crossed = {0: waiting(0, 114, "9", "dp_shard", [0, 2], "[2336]", fsdp),
+               1: waiting(1, 367, "3", "tp", [0, 1], "[8, 8, 32]", tp),
+               2: waiting(2, 367, "4", "tp", [2, 3], "[8, 8, 32]", tp),
+               3: waiting(3, 114, "10", "dp_shard", [1, 3], "[2336]", fsdp)}
+    line = lines.compose(question, crossed, {}, 4)
+    assert "every rank waits in a collective of its groups for ranks that wait in another" in line, line
+    # Two ranks of one group in different collectives are still two sides.
+    skipped = {**answers, 3: waiting(3, 368, "4", "tp", [2, 3], "[8, 8, 32]", tp)}
+    line = lines.compose(question, skipped, {}, 4)
+    assert ("the ranks of tp group [2, 3] wait in different collectives: rank 2 in #367 (all_gather of [8, 8, 32], "
+            "DTensor in PrepareModuleInput of layers.0.self_attn at nd.py:120 via model.py:136 in forward); rank 3 in "
+            "#368") in line, line
+    # A killed rank: the head is a collective that failed in its group, not the asker's with a rank that failed too.
+    def failed(view, error):
+        return dict(view, running=[], last=view["running"][0], error=error)
+    question = dict(question, by=0, reason="failed")
+    broken = {0: failed(answers[0], "Connection reset by peer"), 1: failed(answers[1], "Connection closed by peer"),
+              2: failed(answers[2], "Connection closed by peer")}
+    line = lines.compose(question, broken, {3: {"pid": 7, "host": "n1", "exit": -9}}, 4)
+    assert line.startswith("diagnose: collective #114 (all_gather of [2336], FSDP's at nd.py:120 via model.py:136 in "
+                           "forward) in dp_shard group [1, 3] failed (Connection closed by peer): rank 3 is gone: "
+                           "killed by SIGKILL (pid 7, on n1)"), line
 
 
 def test_the_call_site_in_the_script_comes_first_then_the_innermost_frame():

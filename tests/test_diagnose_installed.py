@@ -22,7 +22,7 @@ from test_hangs import watch
 
 TIMEOUT = 6  # the tool's --timeout
 ENDS_WITHIN_S = 15  # from the tool's line to the job's last line (a stopped rank took torchrun 30 s more)
-TOOL_FRAME = re.compile(r'File "[^"]*[/\\]diagnose[/\\]')
+TOOL_FRAME = re.compile(r'File "[^"]*[/\\]torchdiagnose[/\\]')
 
 SPAWN_SCRIPT = '''\
 """The PyTorch DDP tutorial's shape: mp.spawn, MASTER_PORT set here, world_size passed to init_process_group."""
@@ -36,6 +36,13 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 FAULT = os.environ.get("FAULT", "")
+if FAULT == "stop_at_import" and __name__ == "__mp_main__":  # a spawned process, still importing this script
+    try:
+        with open("stopped.pid", "x") as f:  # the first to get here
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    except FileExistsError:
+        pass
 
 
 def setup(rank, world_size):
@@ -289,6 +296,19 @@ def test_spawn_a_rank_stopped_before_init_is_named_and_the_size_comes_from_the_c
     assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: the store at localhost:"), line
     assert ("the group of 2 ranks is not complete: rank 1 has not called init_process_group: it is stopped "
             "(pid") in line, line
+
+
+def test_spawn_a_rank_stopped_while_importing_is_found_on_this_host_and_ended(venv, elsewhere):
+    """A spawned process stops itself while it still imports the script, before mp.spawn's wrapper runs: it is found
+    among this host's processes by the index mp.spawn started it with, named stopped, and ended with the job (as
+    rank 1 the other waits for it in the group; as rank 0 nothing answers where it would open the store)."""
+    script = SPAWN_SCRIPT.format(port=free_port())
+    (elsewhere / "tutorial.py").write_text(script)
+    code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py", FAULT="stop_at_import")
+    line = verdict(code, lines)
+    pid = (elsewhere / "stopped.pid").read_text()
+    assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: "), line
+    assert re.search(rf"rank [01] has not called init_process_group: it is stopped \(pid {pid}, on ", line), line
 
 
 def test_spawn_a_port_in_use_names_the_scripts_own_line(venv, elsewhere):

@@ -3,7 +3,7 @@ rank stalled: the line names the rank, the collective (DTensor's all-gather of a
 a gradient in backward; for a pipeline, the send or recv that never came and the stage it waits on) and the script's
 line.
 
-The scripts are not edited, and train language_model.Decoder at SIZES on a few thousand characters of Python's help
+The scripts are not edited, and train language_model.Decoder at SIZES on a few thousand characters of the default
 text: the tests' probe (tests/support/sitecustomize.py, DDP_EXAMPLES_PROBE_STALL) makes one rank stall in the first
 DecoderLayer.forward it runs after a given number of optimizer steps (tensor parallelism: layers.0; in a pipeline,
 the stage's first layer, for the step's first micro-batch), once the layer's input has arrived: sleep (its Python
@@ -12,6 +12,7 @@ in the backward of that call, when the gradient of the layer's output has come).
 in their text, so that edits elsewhere in them do not break the tests.
 """
 import re
+import subprocess
 import threading
 import time
 
@@ -37,13 +38,13 @@ def line_of(script, marker):
     raise AssertionError(f"{marker!r} is not in {script}")
 
 
-def diagnosed(tmp_path, script, stall, rank, step):
-    """Launch `script` on 2 ranks under torchdiagnose with rank `rank` stalled in step `step`: the tool's line
+def diagnosed(tmp_path, script, stall, rank, step, nproc=2, args=()):
+    """Launch `script` on `nproc` ranks under torchdiagnose with rank `rank` stalled in step `step`: the tool's line
     (exactly one, repeated as the job's last line) once the job has ended, which it must within HANG_GUARD_S."""
     text = tmp_path / "text.txt"
     text.write_text(read_text()[0][:TEXT_CHARACTERS], encoding="utf-8")
-    cmd = [BIN / "torchdiagnose", "--timeout", TIMEOUT, BIN / "torchrun", "--standalone", "--nproc_per_node=2",
-           REPO / script, *SIZES, "--data", text, "--snapshot_path", tmp_path / "checkpoints"]
+    cmd = [BIN / "torchdiagnose", "--timeout", TIMEOUT, BIN / "torchrun", "--standalone", f"--nproc_per_node={nproc}",
+           REPO / script, *SIZES, *args, "--data", text, "--snapshot_path", tmp_path / "checkpoints"]
     env = clean_env(OMP_NUM_THREADS=1, DDP_EXAMPLES_PROBE_STALL=f"{stall}:{rank}:{step}")
     process = start(cmd, tmp_path, env)
     hung = threading.Event()
@@ -69,15 +70,14 @@ def diagnosed(tmp_path, script, stall, rank, step):
 def test_tensor_parallel_with_a_stopped_rank_names_dtensors_all_gather(tmp_path):
     # Rank 1 stops as its layers.0 begins step 12's forward, the embedding's reduce-scatter done: rank 0 waits in
     # the all-gather of its slice of the sequence [BATCH, SEQ / 2, DIM] before attention (PrepareModuleInput of
-    # layers.0.self_attn). The tool names that style "a parallel style", with no module: PrepareModuleInput's hook is
-    # a lambda, which it does not read (only the styles whose hooks are functools.partial); either is accepted.
+    # layers.0.self_attn), called from the script's step, in the model's file.
     line = diagnosed(tmp_path, "tensor_parallel.py", "stop", 1, 12)
-    forward = re.escape(line_of("tensor_parallel.py", "self.model(source)"))
-    style = r"(a parallel style|PrepareModuleInput of layers\.0\.self_attn)"
-    head = (rf"diagnose: collective #\d+ \(all_gather of \[{BATCH}, {SEQ // 2}, {DIM}\], DTensor in {style} at "
-            rf"{forward}\) waited more than --timeout {TIMEOUT}s: rank 1 is stopped by SIGSTOP \(pid \d+, on [^)]+\): "
-            rf"it runs nothing until it gets SIGCONT; no torchfrtrace: rank 1 did not answer, so wrote no flight "
-            rf"recorder dump")
+    forward = re.escape(line_of("tensor_parallel.py", "self.parts[0](source)"))
+    attention = re.escape(line_of("language_model.py", "self.self_attn(self.input_layernorm(x))"))
+    head = (rf"diagnose: collective #\d+ \(all_gather of \[{BATCH}, {SEQ // 2}, {DIM}\], DTensor in "
+            rf"PrepareModuleInput of layers\.0\.self_attn at {forward} via {attention} in forward\) waited more than "
+            rf"--timeout {TIMEOUT}s: rank 1 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs nothing until it gets "
+            r"SIGCONT; no torchfrtrace: rank 1 did not answer, so wrote no flight recorder dump")
     assert re.match(head, line), line
 
 
@@ -122,3 +122,48 @@ def test_pipeline_with_a_stopped_stage_names_the_p2p_op_and_the_stage_it_waits_o
             rf"more than --timeout {TIMEOUT}s: rank 1 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs nothing "
             rf"until it gets SIGCONT; no torchfrtrace: rank 1 did not answer, so wrote no flight recorder dump")
     assert re.match(head, line), line
+
+
+def test_nd_a_stopped_rank_is_named_alone_with_who_waits_for_it_in_which_group(tmp_path):
+    # dp_shard 2 x tp 2: ranks [0, 1] and [2, 3] split each layer (tp), [0, 2] and [1, 3] shard it (FSDP2). Rank 3
+    # stops as layers.0 begins step 12's forward. Its tp partner (rank 2) waits for it in their tp group, rank 1 in
+    # their dp_shard group (an FSDP2 gather); rank 0 waits for a rank that waits in turn. Only rank 3 is blamed.
+    line = diagnosed(tmp_path, "nd_parallel.py", "stop", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"))
+    head = (rf"diagnose: collective #\d+ \(.*?\) in (tp group \[2, 3\]|dp_shard group \[1, 3\]) waited more than "
+            rf"--timeout {TIMEOUT}s: rank 3 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs nothing until it gets "
+            r"SIGCONT; waiting: ")
+    assert re.match(head, line), line
+    waits = dict(re.findall(r"(?:waiting: |; )(rank \d) in (.*?), for rank", line))
+    assert set(waits) == {"rank 0", "rank 1", "rank 2"}, line
+    assert waits["rank 1"].endswith(" of dp_shard group [1, 3]") and waits["rank 2"].endswith(" of tp group [2, 3]")
+    step = re.escape(line_of("nd_parallel.py", "return work(*args, **kwargs)"))  # the timed stage forward
+    attention = re.escape(line_of("language_model.py", "self.self_attn(self.input_layernorm(x))"))
+    layers = re.escape(line_of("language_model.py", "x = layer(x)"))
+    assert re.search(rf"rank 2 in (the collective above|#\d+ \(all_gather of \[{BATCH // 2}, {SEQ // 2}, {DIM}\], "
+                     rf"DTensor in PrepareModuleInput of layers\.0\.self_attn at {step} via {attention} in forward\)) "
+                     r"of tp group", line), line
+    assert re.search(rf"rank 1 in (the collective above|#\d+ \(all_gather of \[\d+\], FSDP's at {step} via {layers} "
+                     r"in forward\)) of dp_shard group", line), line
+    assert re.search(r"rank 0 in .*? of \w+ group \[0, [12]\], for rank [12], which waits in turn;", line), line
+    assert "odd one out" not in line and "did not arrive" not in line, line
+
+
+def test_nd_a_killed_rank_is_named_at_once_by_the_group_it_broke_and_torchfrtrace_reads_the_rest(tmp_path):
+    # The same mesh; rank 3 SIGKILLs itself at the same point. Its tp partner's all-gather fails at once (the
+    # pipeline stage raises its own error from it); ranks 0 and 1 fail on ranks that failed. The line names the
+    # collective that rank 3 broke, its group, module and model line, and rank 3 as killed; the hint's torchfrtrace
+    # command reads the three dumps there are.
+    line = diagnosed(tmp_path, "nd_parallel.py", "kill", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"))
+    step = re.escape(line_of("nd_parallel.py", "return work(*args, **kwargs)"))
+    attention = re.escape(line_of("language_model.py", "self.self_attn(self.input_layernorm(x))"))
+    head = (rf"diagnose: collective #\d+ \(all_gather of \[{BATCH // 2}, {SEQ // 2}, {DIM}\], DTensor in "
+            rf"PrepareModuleInput of layers\.0\.self_attn at {step} via {attention} in forward\) in tp group \[2, 3\] "
+            r"failed \(.*?\): rank 3 is gone: killed by SIGKILL \(pid \d+, on [^)]+\)")
+    assert re.match(head, line), line
+    assert "odd one out" not in line and "did not arrive" not in line, line
+    command = re.search(r"`(torchfrtrace --allow-incomplete-ranks (fr_traces/[\d-]+))` reads them$", line)
+    assert command, line
+    report = subprocess.run([BIN / "torchfrtrace", "--allow-incomplete-ranks", command[2]], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "missed FR dumps from ranks ({3})" in report.stdout + report.stderr, report.stdout[-3000:]

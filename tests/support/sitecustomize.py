@@ -42,8 +42,8 @@ On request, through the environment:
   first; a pipeline stage: its first layer, for the step's first micro-batch), once the layer's input has arrived
   (an input still in flight, as DTensor's AsyncCollectiveTensor, is waited for first: else a stopped rank's stall
   races its last collective, which the other rank may then wait in). HOW=sleep (its Python waits in the forward),
-  stop (it SIGSTOPs itself), backward (it sleeps in the backward of that call: when the gradient of the layer's
-  output has come). It prints "rank R: stall HOW" first.
+  stop (it SIGSTOPs itself), kill (it SIGKILLs itself), backward (it sleeps in the backward of that call: when the
+  gradient of the layer's output has come). It prints "rank R: stall HOW" first.
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -248,8 +248,8 @@ def patch_stall(module):
         if hasattr(x, "trigger_wait"):  # the input still in flight (tensor parallelism: the embedding's
             x.trigger_wait()  # reduce-scatter, waited on at its first use): finish it, as the layer's first op would
         say(f"rank {rank}: stall {how}")
-        if how == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
+        if how in ("stop", "kill"):
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
         if how == "backward":
             out = forward(self, x)
             out.register_hook(lambda grad: time.sleep(3600))  # the backward stall

@@ -49,13 +49,20 @@ def short_error(text):
 
 
 def lost_peer(error):
-    """Whether an exception is a collective that failed because a peer left or did not arrive."""
+    """The exception, `error` or one it was raised from, of a collective that failed because a peer left or did
+    not arrive (a pipeline stage raises its own RuntimeError from it); None for another error."""
     import torch.distributed as dist
-    text = str(error)
-    return isinstance(error, getattr(dist, "DistError", ())) or any(marker in text for marker in (
-        "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-        "NCCL communicator was aborted", "ncclRemoteError", "Timed out waiting", "failed to pass monitoredBarrier",
-        "Detected mismatch between collectives"))
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if isinstance(error, getattr(dist, "DistError", ())) or any(marker in text for marker in (
+                "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                "NCCL communicator was aborted", "ncclRemoteError", "Timed out waiting",
+                "failed to pass monitoredBarrier", "Detected mismatch between collectives")):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)\)\)")
@@ -125,6 +132,15 @@ def user_site(frames, script=None):
     return where, inner
 
 
+def model_site(frames, script=None):
+    """'model.py:40 in forward': the innermost frame of the user's own code outside the script the process runs
+    (the model's file, where a DTensor or FSDP collective comes from), or None where there is none."""
+    script = script or main_script()
+    user = [f for f in frames if not f.filename.startswith("<") and _is_user(f.filename)
+            and os.path.abspath(f.filename) != script]
+    return f"{shown(user[-1].filename)}:{user[-1].lineno} in {user[-1].name}" if user else None
+
+
 def in_backward(frames):
     return any(f.name in ("backward", "_engine_run_backward") and "torch" in f.filename for f in frames)
 
@@ -136,7 +152,18 @@ def describe_entry(entry, waited=None):
     shapes += ", ..." if len(sizes) > 3 else ""
     group = entry.get("process_group") or ("", "")
     return {"seq": entry.get("collective_seq_id"), "kind": str(entry.get("profiling_name", "")).split(":")[-1] or None,
-            "shapes": shapes or None, "group": str(group[1] or group[0]), "waited": waited}
+            "shapes": shapes or None, "group": str(group[1] or group[0]), "group_name": str(group[0]),
+            "waited": waited}
+
+
+def group_text(entry):
+    """'tp group [2, 3]' for a collective of a DeviceMesh's group (its dimension, its global ranks), 'group [0, 2]'
+    for another group of some ranks, None for the default group (every rank) or where the ranks are unknown."""
+    ranks, desc = entry.get("ranks"), str(entry.get("group") or "")
+    if not ranks or desc == "default_pg":
+        return None
+    dimension = desc[len("mesh_"):] + " " if desc.startswith("mesh_") else ""
+    return f"{dimension}group [{', '.join(map(str, ranks))}]"
 
 
 def describe_p2p(op, stages=(), waited=None):
@@ -232,6 +259,8 @@ def collective(entry, view=None, number=True):
     described = ", ".join(parts)
     if view and view.get("where"):
         described += (" " if described else "") + f"at {view['where']}"
+        if entry and entry.get("origin") and view.get("model"):  # DTensor's, FSDP's: the model's line too
+            described += f" via {view['model']}"
     if not number or not entry or entry.get("seq") is None:
         return described or "a collective"
     return f"#{entry['seq']}" + (f" ({described})" if described else "")
@@ -315,7 +344,8 @@ def _flight_recorder(answers, silent, world_size, folder, p2p=False):
     missing = sorted(set(range(world_size)) - set(dumped))
     why = "did not answer" if set(missing) <= set(silent) else "did not answer or recorded nothing"
     return (f"no torchfrtrace: {ranks_text(missing)} {why}, so wrote no flight recorder dump, and torchfrtrace "
-            f"compares every rank's; {ranks_text(dumped)} wrote {'its' if len(dumped) == 1 else 'theirs'} to {folder}")
+            f"compares every rank's; {ranks_text(dumped)} wrote {'its' if len(dumped) == 1 else 'theirs'} to {folder}: "
+            f"`torchfrtrace --allow-incomplete-ranks {folder}` reads {'it' if len(dumped) == 1 else 'them'}")
 
 
 def compose(question, answers, who, world_size):
@@ -333,34 +363,68 @@ def compose(question, answers, who, world_size):
     waiting = {r: v["running"][0] for r, v in answers.items() if v.get("running")}
     elsewhere = sorted(r for r, v in answers.items() if not v.get("running") and not v.get("error"))
     failed = {r: v for r, v in answers.items() if v.get("error")}
+    silent = sorted(set(range(world_size)) - set(answers))
+    stuck = set(elsewhere) | set(silent)  # in no collective: the ranks the others can be waiting for
     parts = []
-    # The collective: the one most waiting ranks are in (the asker's, if it failed).
-    signatures = {}
+    # The collectives, each group's apart (ranks of different groups wait in different collectives by design),
+    # and the ranks each one waits for: its group's members not in it.
+    signatures, missing = {}, {}
     for rank, entry in sorted(waiting.items()):
-        signature = (entry["seq"], entry["kind"], entry.get("peer"), entry["shapes"], answers[rank].get("where"))
+        signature = (entry.get("group_name"), entry["seq"], entry["kind"], entry.get("peer"), entry["shapes"],
+                     answers[rank].get("where"))
         signatures.setdefault(signature, []).append(rank)
+    for signature, ranks in signatures.items():
+        entry = waiting[ranks[0]]
+        peer = [entry["peer_rank"]] if entry.get("peer_rank") is not None else []  # a p2p op's one peer
+        missing[signature] = peer or [m for m in entry.get("ranks") or [] if m not in ranks]
     asker = answers.get(question["by"], {})
-    if signatures:
-        main = max(signatures, key=lambda s: len(signatures[s]))
+    main, head_entry, head_view = None, None, asker
+
+    def failed_in(view):  # the collective a rank's error came from: the one still running, else its newest
+        return (view.get("running") or [None])[0] or view.get("last") or {}
+
+    def broken_by_the_gone(rank):  # a failed rank whose collective's group holds a rank that is gone
+        return bool(stuck & (set(failed_in(failed[rank]).get("ranks") or []) - {rank}))
+    if question["reason"] != "timeout" and failed:
+        # The collective that failed: the asker's, unless another rank's failed in a group with a rank that is gone
+        # (a rank can fail on a peer that failed on the one that died first).
+        by = question["by"] if question["by"] in failed else None
+        chosen = by if by is not None and broken_by_the_gone(by) else None
+        chosen = chosen if chosen is not None else next((r for r in sorted(failed) if broken_by_the_gone(r)), by)
+        if chosen is not None:
+            asker = answers[chosen]
+            head_entry, head_view = failed_in(asker), asker
+    if head_entry is None and signatures:
+        # The head: a collective that waits for a rank in no collective (the fault) before one whose missing ranks
+        # wait elsewhere; then the one most ranks are in.
+        main = max(signatures, key=lambda s: (bool(stuck & set(missing[s])), len(signatures[s])))
         first = signatures[main][0]
         head_entry, head_view = waiting[first], answers[first]
-    else:
-        head_entry, head_view = (asker.get("last") or {}), asker
+    elif head_entry is None:
+        head_entry = asker.get("last") or {}
     what = ("" if head_entry.get("p2p") else "collective ") + collective(head_entry, head_view)
+    what += f" in {group_text(head_entry)}" if group_text(head_entry) else ""
     if question["reason"] == "timeout":
         head = f"{what} waited more than --timeout {question['timeout']:g}s"
     else:
         head = f"{what} failed ({asker.get('error')})"
-    if len(signatures) > 1:
-        seqs = {s[0] for s in signatures}
-        sides = "; ".join(f"{ranks_text(ranks)} in {collective(waiting[ranks[0]], answers[ranks[0]], len(seqs) > 1)}"
-                          for _, ranks in sorted(signatures.items(), key=lambda item: item[1]))
-        sizes = sorted(len(ranks) for ranks in signatures.values())
+    by_group = {}
+    for signature in signatures:
+        by_group.setdefault(signature[0], []).append(signature)
+    for group in by_group.values():
+        if len(group) < 2:
+            continue
+        seqs = {s[1] for s in group}
+        sides = "; ".join(f"{ranks_text(signatures[s])} in "
+                          f"{collective(waiting[signatures[s][0]], answers[signatures[s][0]], len(seqs) > 1)}"
+                          for s in sorted(group, key=lambda s: signatures[s]))
+        sizes = sorted(len(signatures[s]) for s in group)
         odd = ""
         if len(sizes) == 2 and sizes[0] < sizes[1]:
-            odd = f"; {ranks_text(min(signatures.values(), key=len))} is the odd one out"
-        parts.append(f"the ranks wait in different collectives: {sides}{odd} (a rank skipped a collective, or "
-                     "called another or another shape in its place)")
+            odd = f"; {ranks_text(signatures[min(group, key=lambda s: len(signatures[s]))])} is the odd one out"
+        label = group_text(waiting[signatures[group[0]][0]])
+        parts.append(f"the ranks{' of ' + label if label else ''} wait in different collectives: {sides}{odd} (a rank "
+                     "skipped a collective, or called another or another shape in its place)")
     # A rank that p2p ops wait on (a pipeline's peer stage): it did not send, or did not receive.
     awaited = {}
     for entry in waiting.values():
@@ -368,9 +432,22 @@ def compose(question, answers, who, world_size):
             awaited.setdefault(entry["peer_rank"], "send" if entry["kind"] == "recv" else "recv")
     for rank in elsewhere:
         parts.append(_elsewhere(rank, answers[rank], awaited.get(rank)))
-    silent = sorted(set(range(world_size)) - set(answers))
     for rank in silent:
         parts.append(_silent(rank, who.get(rank, {})))
+    if len(by_group) > 1:  # several groups (a DeviceMesh's): who waits where, and for whom
+        if not stuck and not any(len(group) > 1 for group in by_group.values()):
+            parts.append("every rank waits in a collective of its groups for ranks that wait in another: the ranks "
+                         "call their groups' collectives in different orders")
+        waits = []
+        for signature, ranks in sorted(signatures.items(), key=lambda item: item[1]):
+            entry, on = waiting[ranks[0]], missing[signature]
+            which = "the collective above" if signature == main else collective(entry, answers[ranks[0]])
+            where = group_text(entry) or ("a pipeline's group" if entry.get("p2p") else "the default group")
+            text = f"{ranks_text(ranks)} in {which} of {where}"
+            if on:
+                text += f", for {ranks_text(on)}" + (", which waits in turn" if not stuck & set(on) else "")
+            waits.append(text)
+        parts.append("waiting: " + "; ".join(waits))
     if not parts:
         if failed and len(failed) == len(answers) and not silent:
             parts.append("every rank failed there: the link between them broke")
@@ -472,7 +549,15 @@ def init_incomplete(waited, address, size, missing):
     return head + ": " + "; ".join(parts)
 
 
-def init_unanswered(waited, address):
+def init_unanswered(waited, address, host=None):
+    """`host`: what is known of this host's process started as rank 0, which opens the store at the address."""
+    state = process_state(host) if host else None
+    if state:
+        return (f"diagnose: init_process_group has waited {waited:g}s: nothing answers at {address}, where rank 0 "
+                f"opens the group's store: rank 0 has not called init_process_group: it is {state}"
+                if state.startswith("stopped") else
+                f"diagnose: init_process_group has waited {waited:g}s: nothing answers at {address}, where rank 0 "
+                f"opens the group's store: rank 0 is gone before init_process_group: {state}")
     return (f"diagnose: init_process_group has waited {waited:g}s: nothing answers at {address} (the rendezvous "
             "address: MASTER_ADDR and MASTER_PORT, or init_method): start rank 0 (or the first node) there, or give "
             "the address of the machine it runs on; a firewall can drop the connection")

@@ -238,9 +238,12 @@ def _style_of(module, style):
                 content = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            function = getattr(getattr(content, "func", None), "__func__", getattr(content, "func", None))
-            code = getattr(function, "__code__", None)
-            if code is not None and code.co_name == name and code.co_filename.replace("\\", "/") == file \
-                    and any(line == number for _, _, number in code.co_lines()):
-                return function.__qualname__.split(".")[0]
+            # A functools.partial of the style's method (ColwiseParallel's, RowwiseParallel's hooks), or the style
+            # itself in a lambda's closure (PrepareModuleInput's hook calls self._prepare_input_fn).
+            partial = getattr(getattr(content, "func", None), "__func__", getattr(content, "func", None))
+            for function in (partial, getattr(type(content), name, None)):
+                code = getattr(function, "__code__", None)
+                if code is not None and code.co_name == name and code.co_filename.replace("\\", "/") == file \
+                        and any(line == number for _, _, number in code.co_lines()):
+                    return function.__qualname__.split(".")[0]
     return None

@@ -27,8 +27,8 @@ A point-to-point op costs its note (about a microsecond).
 Private torch APIs used (PRIVATE_APIS; on a torch that lacks one, one line names it and the job runs untouched):
 - torch._C._distributed_c10d._dump_fr_trace: the flight recorder's entries (torch exposes no public reader).
 - ProcessGroup._get_sequence_number_for_group: a group's count of collectives issued.
-- torch.distributed.distributed_c10d._get_default_store and _world.pg_names: the default group's store and the
-  groups.
+- torch.distributed.distributed_c10d._get_default_store, _world.pg_names and _world.pg_group_ranks: the default
+  group's store, the groups, and each group's ranks.
 - Store.clone: a client of the group's store of the tool's own, with a timeout of its own.
 - torch.multiprocessing.spawn._wrap: the function mp.spawn runs in each process, where an exception is caught.
 """
@@ -68,6 +68,7 @@ PRIVATE_APIS = (
     "torch.distributed.ProcessGroup._get_sequence_number_for_group",
     "torch.distributed.distributed_c10d._get_default_store",
     "torch.distributed.distributed_c10d._world.pg_names",
+    "torch.distributed.distributed_c10d._world.pg_group_ranks",
     "torch.distributed.Store.clone",
     "torch.multiprocessing.spawn._wrap",
 )
@@ -287,6 +288,18 @@ def _patch_spawn(spawn):
     # mp.spawn pickles its target by name: the name must lead to this function in the spawned process too.
     _wrap.__module__, _wrap.__qualname__ = wrap.__module__, wrap.__qualname__
     spawn._wrap = _wrap
+    # In the parent, each process as mp.spawn starts it: a child stopped or gone while it still imports the
+    # script (before _wrap runs) is then found by its index too, and ended with the job.
+    context = getattr(spawn, "ProcessContext", None)
+    if context is not None:
+        init = context.__init__
+
+        def __init__(self, processes, *args, **kwargs):
+            init(self, processes, *args, **kwargs)
+            for i, process in enumerate(processes):
+                node.write(names.STARTED, process.pid, str(i), once=True)
+
+        context.__init__ = __init__
 
 
 class _Guarded:
@@ -545,6 +558,14 @@ def _recorder(with_stacks=False, only_active=False):
         return None
 
 
+def _group_ranks():
+    """{group name: its global ranks, sorted}, for this process's live groups: the line names a DeviceMesh's group
+    by its dimension and ranks (gloo's flight recorder keeps the groups' names, not their ranks)."""
+    from torch.distributed import distributed_c10d as c10d
+    world = c10d._world
+    return {str(name): sorted(world.pg_group_ranks.get(group) or ()) for group, name in list(world.pg_names.items())}
+
+
 def running_collectives(dump=None):
     """The collectives of this process still running, oldest first: (seconds waited, flight recorder entry)."""
     dump = dump if dump is not None else _recorder(only_active=True)
@@ -555,14 +576,10 @@ def running_collectives(dump=None):
 
 
 def last_collective(dump):
-    """The newest collective of the default group in the flight recorder (its entry); None without one."""
-    from torch.distributed import distributed_c10d as c10d
-    try:
-        name = str(c10d._get_default_group().group_name)
-    except Exception:  # noqa: BLE001  the group is going: the line names no collective
-        return None
-    entries = [e for e in (dump or {}).get("entries", []) if str(e.get("process_group", ("",))[0]) == name]
-    return entries[-1] if entries else None
+    """The newest collective in the flight recorder, of any group (its entry): where a rank's error came from, its
+    last collective (a DeviceMesh's, or the default group's); None without one."""
+    entries = [e for e in (dump or {}).get("entries", []) if e.get("time_created_ns")]
+    return max(entries, key=lambda e: e["time_created_ns"]) if entries else None
 
 
 def _watch():
@@ -712,7 +729,15 @@ def view(error=None):
     running = running_collectives(dump)
     me["recorder"] = bool(dump and dump.get("entries"))
     me["running"] = [lines.describe_entry(entry, waited) for waited, entry in running[:3]]
-    inner = _innermost(error.__traceback__) if error is not None else _main_frame()
+    try:
+        groups = _group_ranks()
+    except Exception:  # noqa: BLE001  a torch without these tables: the line names no group's ranks
+        groups = {}
+    for entry in me["running"]:
+        entry["ranks"] = groups.get(entry["group_name"])
+    # A wrapper's error (a pipeline stage raises its own from the collective's): the collective's is deeper.
+    cause = (lines.lost_peer(error) or error) if error is not None else None
+    inner = _innermost(cause.__traceback__) if cause is not None else _main_frame()
     try:
         # A point-to-point op: gloo's flight recorder has none, NCCL's names only the ranks (the note says more).
         p2p = None
@@ -727,6 +752,7 @@ def view(error=None):
     last = last_collective(dump) if error is not None and not me["running"] else None
     if last is not None:
         me["last"] = lines.describe_entry(last)
+        me["last"]["ranks"] = groups.get(me["last"]["group_name"])
         try:
             me["last"]["origin"] = parallel.origin(last, inner)
         except Exception:  # noqa: BLE001  a model unlike torch 2.13's: the line says less
@@ -734,14 +760,17 @@ def view(error=None):
     frames = None
     if error is not None:
         frames = traceback.extract_tb(error.__traceback__)
-        me["error"] = lines.short_error(str(error))
-        me["mismatch"] = lines.mismatch(str(error))
+        if cause is not error:  # the frames the wrapper's traceback does not reach, below where it caught the cause
+            frames += traceback.extract_tb(cause.__traceback__)
+        me["error"] = lines.short_error(str(cause))
+        me["mismatch"] = lines.mismatch(str(cause))
     else:
         if inner is not None:
             frames = traceback.extract_stack(inner)
         if not me["running"]:  # in its own code: busy (a long phase) or idle (waiting for something)
             me["busy"] = _main_thread_running()
     me["where"], me["inner"] = lines.user_site(frames or [])
+    me["model"] = lines.model_site(frames or [])
     me["backward"] = lines.in_backward(frames or [])
     return me
 
@@ -901,7 +930,9 @@ def _init_waits_too_long(call, check_in):
             line += (f"; this host's name resolves to {mine}, a loopback address (/etc/hosts): set GLOO_SOCKET_IFNAME "
                      "(or NCCL_SOCKET_IFNAME) to the interface that joins the nodes")
     else:
-        line = lines.init_unanswered(timeout_s(), address)
+        pid = node.started_as(0)  # rank 0 opens the store: a process of this host, stopped or gone?
+        line = lines.init_unanswered(timeout_s(), address, dict(node.describe(pid), pid=pid, host=socket.gethostname(),
+                                                                local=True) if pid else None)
     if node.claim("init"):
         _declare(line + (" (--keep-waiting: it goes on waiting)" if keep_waiting() else ""))
     if not keep_waiting():

@@ -167,3 +167,17 @@ def test_nd_a_killed_rank_is_named_at_once_by_the_group_it_broke_and_torchfrtrac
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "missed FR dumps from ranks ({3})" in report.stdout + report.stderr, report.stdout[-3000:]
+
+
+def test_nd_at_8_processes_a_stopped_rank_is_named_alone_across_pipeline_tensor_and_data_groups(tmp_path):
+    # pp 2 x dp_shard 2 x tp 2: rank 5 (stage 1) stops in its first layer of step 12. Its pipeline peer (rank 1)
+    # waits to send it activations, its tp partner (rank 4) in an all-gather, its dp_shard partner (rank 7) in an
+    # FSDP2 gather; the others wait for ranks that wait in turn. Each is named in its own group, none blamed.
+    line = diagnosed(tmp_path, "nd_parallel.py", "stop", 5, 12, nproc=8, args=("--dp", "2", "--tp", "2", "--pp", "2"))
+    assert re.match(rf"diagnose: .*? in (pp group \[1, 5\]|tp group \[4, 5\]|dp_shard group \[5, 7\]) waited more "
+                    rf"than --timeout {TIMEOUT}s: rank 5 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs nothing "
+                    r"until it gets SIGCONT; waiting: ", line), line
+    waits = dict(re.findall(r"(?:waiting: |; )(rank \d) in (.*?), for rank", line))
+    assert set(waits) == {f"rank {r}" for r in (0, 1, 2, 3, 4, 6, 7)}, line
+    assert waits["rank 1"].endswith(" of pp group [1, 5]") and waits["rank 4"].endswith(" of tp group [4, 5]"), line
+    assert "different collectives" not in line and "did not arrive" not in line, line

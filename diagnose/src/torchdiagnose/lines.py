@@ -187,7 +187,7 @@ def describe_p2p(op, stages=(), waited=None):
             break
     return {"seq": None, "kind": op["kind"], "p2p": True, "peer": ("from " if op["kind"] == "recv" else "to ")
             + peer_text, "peer_rank": peer, "purpose": purpose, "shapes": op.get("shapes"),
-            "group": str(op.get("group") or "0"), "waited": waited}
+            "group": str(op.get("group") or "0"), "group_name": op.get("group"), "waited": waited}
 
 
 def dump_folder(when):

@@ -559,11 +559,12 @@ def _recorder(with_stacks=False, only_active=False):
 
 
 def _group_ranks():
-    """{group name: its global ranks, sorted}, for this process's live groups: the line names a DeviceMesh's group
-    by its dimension and ranks (gloo's flight recorder keeps the groups' names, not their ranks)."""
+    """{group name: (its description, its global ranks, sorted)}, for this process's live groups: the line names a
+    DeviceMesh's group by its dimension ("mesh_tp") and ranks (gloo's flight recorder keeps neither)."""
     from torch.distributed import distributed_c10d as c10d
     world = c10d._world
-    return {str(name): sorted(world.pg_group_ranks.get(group) or ()) for group, name in list(world.pg_names.items())}
+    return {str(name): (getattr(group, "group_desc", "") or "", sorted(world.pg_group_ranks.get(group) or ()))
+            for group, name in list(world.pg_names.items())}
 
 
 def running_collectives(dump=None):
@@ -733,8 +734,12 @@ def view(error=None):
         groups = _group_ranks()
     except Exception:  # noqa: BLE001  a torch without these tables: the line names no group's ranks
         groups = {}
-    for entry in me["running"]:
-        entry["ranks"] = groups.get(entry["group_name"])
+
+    def with_group(entry):  # its group's ranks, and a p2p op's group by its description too
+        desc, entry["ranks"] = groups.get(entry.get("group_name"), (None, None))
+        if entry.get("p2p") and desc:
+            entry["group"] = desc
+        return entry
     # A wrapper's error (a pipeline stage raises its own from the collective's): the collective's is deeper.
     cause = (lines.lost_peer(error) or error) if error is not None else None
     inner = _innermost(cause.__traceback__) if cause is not None else _main_frame()
@@ -745,14 +750,14 @@ def view(error=None):
             p2p = parallel.describe_blocked(inner, failed=error is not None)
         if p2p:
             me["running"] = [p2p[1]]
-        elif running:
+        if running and not p2p:
             me["running"][0]["origin"] = parallel.origin(running[0][1], inner)
     except Exception:  # noqa: BLE001  a model or schedule unlike torch 2.13's: the line says less
         pass
+    me["running"] = [with_group(entry) for entry in me["running"]]
     last = last_collective(dump) if error is not None and not me["running"] else None
     if last is not None:
-        me["last"] = lines.describe_entry(last)
-        me["last"]["ranks"] = groups.get(me["last"]["group_name"])
+        me["last"] = with_group(lines.describe_entry(last))
         try:
             me["last"]["origin"] = parallel.origin(last, inner)
         except Exception:  # noqa: BLE001  a model unlike torch 2.13's: the line says less

@@ -254,14 +254,15 @@ def test_torchrun_a_stopped_rank_is_named_stopped_and_the_job_ends_at_once(venv,
     assert "Root Cause" in "\n".join(text for _, text in lines)  # torchrun's report, before the tool's last line
 
 
-def test_torchrun_evaluation_on_rank_0_is_named_at_the_scripts_call_then_the_innermost_frame(venv, elsewhere):
+def test_torchrun_evaluation_on_rank_0_is_named_at_its_line_its_innermost_frame_and_its_call(venv, elsewhere):
     (elsewhere / "train.py").write_text(TORCHRUN_SCRIPT)
     code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "-m", "torch.distributed.run", "--standalone",
                             "--nproc_per_node=2", "train.py", FAULT="slow")
     line = verdict(code, lines)
     assert f"(barrier at train.py:{line_of(TORCHRUN_SCRIPT, 'the barrier')}) waited" in line, line
     at = f"rank 0 did not arrive: it is alive, in its own code at train.py:{line_of(TORCHRUN_SCRIPT, 'the evaluation')}"
-    assert at in line and "(innermost: torch/nn/" in line and "busy on the CPU" in line, line
+    phase = f"busy on the CPU in evaluate(), called at train.py:{line_of(TORCHRUN_SCRIPT, 'evaluate(model.module)')}:"
+    assert at in line and "(innermost: torch/nn/" in line and phase in line, line  # the call that names the phase
     assert "flight recorder: `torchfrtrace fr_traces/" in line, line
     folder = line.split("torchfrtrace ")[1].split("`")[0]
     assert sorted(p.name for p in (elsewhere / folder).iterdir()) == ["rank_0", "rank_1"]

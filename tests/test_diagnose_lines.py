@@ -78,7 +78,7 @@ def test_process_state_says_stopped_gone_or_in_a_debugger():
     assert lines.process_state(dict(where, state="S")) is None  # alive: what it does, the rank's own answer says
 
 
-def test_model_site_is_the_innermost_frame_of_the_users_code_outside_the_script():
+def test_model_site_and_phase_site_the_models_line_and_the_call_that_names_a_phase():
     script, model = str(REPO / "x" / "train.py"), str(REPO / "x" / "model.py")
     library = str(Path(torch.__file__).parent / "nn" / "functional.py")
     frames = [FrameSummary(script, 90, "<module>"), FrameSummary(model, 20, "forward"),
@@ -86,6 +86,10 @@ def test_model_site_is_the_innermost_frame_of_the_users_code_outside_the_script(
     assert lines.model_site(frames, script=script).endswith("model.py:20 in forward")
     assert lines.model_site(frames[:1], script=script) is None
     assert not lines.in_backward(frames)
+    evaluation = [FrameSummary(script, 90, "<module>"), FrameSummary(script, 70, "main"),
+                  FrameSummary(script, 41, "evaluate"), FrameSummary(model, 20, "forward")]
+    assert lines.phase_site(evaluation, script=script) == f"evaluate(), called at {lines.shown(script)}:70"
+    assert lines.phase_site(frames, script=script) is None  # at the script's top level
     engine = str(Path(torch.__file__).parent / "autograd" / "graph.py")
     assert lines.in_backward(frames + [FrameSummary(engine, 800, "_engine_run_backward")])
 

@@ -141,6 +141,16 @@ def model_site(frames, script=None):
     return f"{shown(user[-1].filename)}:{user[-1].lineno} in {user[-1].name}" if user else None
 
 
+def phase_site(frames, script=None):
+    """'evaluate(), called at train.py:90': the function of the script the rank is in, and the script's line that
+    called it (the call that names a long phase), or None at the script's top level."""
+    script = script or main_script()
+    ours = [f for f in frames if script and not f.filename.startswith("<") and os.path.abspath(f.filename) == script]
+    if len(ours) < 2 or ours[-1].name == "<module>":
+        return None
+    return f"{ours[-1].name}(), called at {shown(ours[-2].filename)}:{ours[-2].lineno}"
+
+
 def in_backward(frames):
     return any(f.name in ("backward", "_engine_run_backward") and "torch" in f.filename for f in frames)
 
@@ -324,8 +334,9 @@ def _elsewhere(rank, view, awaited=None):
         text += f" (innermost: {view['inner']})"
     busy = view.get("busy")
     if busy is not None and busy >= BUSY:
-        text += (", busy on the CPU: a long phase on one rank (evaluation, a checkpoint) waits like a hang; if it is "
-                 "meant, give --timeout more than it takes")
+        text += (", busy on the CPU" + (f" in {view['phase']}" if view.get("phase") else "") + ": a long phase on "
+                 "one rank (evaluation, a checkpoint) waits like a hang; if it is meant, give --timeout more than it "
+                 "takes")
     elif busy is not None:
         text += ", idle: it waits for something of its own (a lock, a queue, a file, a sleep)"
     return text

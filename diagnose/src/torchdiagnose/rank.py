@@ -776,6 +776,7 @@ def view(error=None):
             me["busy"] = _main_thread_running()
     me["where"], me["inner"] = lines.user_site(frames or [])
     me["model"] = lines.model_site(frames or [])
+    me["phase"] = lines.phase_site(frames or [])
     me["backward"] = lines.in_backward(frames or [])
     return me
 

@@ -138,6 +138,70 @@ print("done", flush=True)
 '''
 
 
+FSDP_TP_MODEL = '''\
+"""The user's model, in a file of its own: blocks of a norm and an MLP, its linears split by tensor parallelism."""
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, 4 * dim)
+        self.w2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(self.norm(x))))  # the block's line
+
+
+class Model(nn.Module):
+    def __init__(self, dim=32, depth=2):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)  # the layers' line
+        return x
+'''
+
+FSDP_TP_SCRIPT = '''\
+"""A user's FSDP2 x TP script (the shape of the well-known Llama examples): a 2-D mesh dp x tp, the model from
+model.py, its linears split over tp, then sharded over dp. STOP_RANK stops itself at step 3."""
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from model import Model
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+torch.manual_seed(0)
+model = Model()
+for block in model.layers:
+    parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    fully_shard(block, mesh=mesh["dp"])
+fully_shard(model, mesh=mesh["dp"])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(10):
+    if step == 3 and rank == int(os.environ.get("STOP_RANK", -1)):
+        print(f"rank {rank}: stop at step 3", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    loss = model(torch.randn(8, 32)).pow(2).mean()  # the step's line
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+dist.destroy_process_group()
+'''
+
+
 def line_of(script, marker):
     found = [n for n, text in enumerate(script.splitlines(), 1) if marker in text]
     assert len(found) == 1, marker
@@ -266,6 +330,26 @@ def test_torchrun_evaluation_on_rank_0_is_named_at_its_line_its_innermost_frame_
     assert "flight recorder: `torchfrtrace fr_traces/" in line, line
     folder = line.split("torchfrtrace ")[1].split("`")[0]
     assert sorted(p.name for p in (elsewhere / folder).iterdir()) == ["rank_0", "rank_1"]
+
+
+def test_a_users_fsdp_x_tp_script_a_stopped_rank_is_named_alone_with_its_groups_and_the_models_line(venv, elsewhere):
+    """A user's FSDP2 x TP script on 4 processes, its model in model.py, rank 3 stopped: named first and alone; its tp
+    partner and its dp partner wait for it, each in its own group, at the script's line via the model's."""
+    (elsewhere / "model.py").write_text(FSDP_TP_MODEL)
+    (elsewhere / "train.py").write_text(FSDP_TP_SCRIPT)
+    code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node=4", "train.py", STOP_RANK="3")
+    line = verdict(code, lines)
+    assert re.search(r"waited more than --timeout \d+s: rank 3 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs "
+                     r"nothing until it gets SIGCONT; waiting: ", line), line
+    waits = dict(re.findall(r"(?:waiting: |; )(rank \d) in (.*?), for rank", line))
+    assert set(waits) == {"rank 0", "rank 1", "rank 2"}, line
+    assert waits["rank 1"].endswith(" of dp group [1, 3]") or "rank 1 in the collective above" in line, line
+    assert re.search(r"rank 2 in .*? of tp group \[2, 3\], for rank 3", line), line
+    model_lines = (line_of(FSDP_TP_MODEL, "the block's line"), line_of(FSDP_TP_MODEL, "the layers' line"))
+    assert re.search(rf"at train\.py:{line_of(FSDP_TP_SCRIPT, 'the step')} via model\.py:({model_lines[0]}|"
+                     rf"{model_lines[1]}) in forward", line), line
+    assert "odd one out" not in line and "did not arrive" not in line, line
 
 
 def test_spawn_a_stalled_rank_is_named_with_its_line(venv, elsewhere):

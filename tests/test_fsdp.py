@@ -259,35 +259,34 @@ def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):
 
 # ---- bad input: one line, no traceback, the checkpoint left as it was ----
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
-    """A checkpoint as fsdp.py writes it (state keyed by parameter name), of the same model narrower."""
-    other = BlockMLP(input_size=20, width=32)
-    optimizer = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-    other(torch.randn(2, 20)).sum().backward()
+def write_checkpoint(checkpoint, width=64, flatten=False, sums=True):
+    """A checkpoint as fsdp.py writes it (state keyed by parameter name) of a BlockMLP of `width`, after a step, its
+    optimizer's state flattened by parameter or not, with a marker (every file's sum, or none, as an older
+    fsdp_checkpoint.py wrote it). Saved by this process alone (no_dist)."""
+    model = BlockMLP(input_size=20, width=width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    model(torch.randn(2, 20)).sum().backward()
     optimizer.step()
-    model_state, optimizer_state = get_state_dict(other, optimizer)
-    checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"
+    model_state, optimizer_state = get_state_dict(model, optimizer,
+                                                  options=StateDictOptions(flatten_optimizer_state_dict=flatten))
     save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
-    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 2, "position": 0, "steps": 2,
-                                                                  "world_size": 1}))
-    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
-    result = run(fsdp("--total_epochs", "4", *FLAGS, nproc=1), cwd=tmp_path, check=False, timeout=120)
-    assert_one_line_error(result, "checkpoint fsdp_checkpoints/epoch_000002 does not fit this model",
-                          "model.inp.weight is [32, 20], here [64, 20]", code=1)  # torchrun exits 1
-    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    marker = {"epochs_run": 2, "position": 0, "steps": 8, **({"files": checkpoint_sums(checkpoint)} if sums else {})}
+    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps(marker))
 
 
 LM = ("--dim", "32", "--n_layers", "2", "--n_heads", "4", "--n_kv_heads", "2", "--hidden", "64", "--seq_len", "16",
       "--data", "text.txt", "--sample", "0")  # a small decoder for tensor_parallel.py
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
 def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_before_any_step(uninterrupted, tmp_path):
-    """Each case in a copy of the uninterrupted run's checkpoints, all launched side by side at 2 ranks: 400 bytes
-    flipped in rank 1's shard, the marker cut short, a shard missing, another global batch (2 x 128, the checkpoint's
-    2 x 256), a --snapshot_path that is a file, tensor_parallel.py on fsdp.py's checkpoints, and --skip_damaged where
-    no checkpoint checks out. Each stops with its line, and leaves the checkpoints as they were (--skip_damaged: the
-    damaged one renamed)."""
+    """Each case in a folder of its own, all launched side by side at 2 ranks. In a copy of the uninterrupted run's
+    checkpoints: 400 bytes flipped in rank 1's shard, the marker cut short, a shard missing, another global batch
+    (2 x 128, the checkpoint's 2 x 256), tensor_parallel.py on fsdp.py's checkpoints, and --skip_damaged where no
+    checkpoint checks out. Written here: the model narrower (a marker without sums, as an older fsdp_checkpoint.py
+    wrote it), and the optimizer's state flattened as steps 6 to 8 save theirs (the same tensors, the settings under
+    other keys, which DCP would call a damaged checkpoint's missing key). And a --snapshot_path that is a file. Each
+    stops with its line, and leaves the checkpoints as they were (--skip_damaged: the damaged one renamed)."""
     directory, _ = uninterrupted
     newest = "fsdp_checkpoints/epoch_000004"
 
@@ -304,6 +303,8 @@ def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_befo
     (tmp_path / "file" / "fsdp_checkpoints").write_text("a file")
     checkpoints("decoder")
     (tmp_path / "decoder" / "text.txt").write_text(read_text()[0][:1200])
+    write_checkpoint(tmp_path / "narrow" / "fsdp_checkpoints" / "epoch_000002", width=32, sums=False)
+    write_checkpoint(tmp_path / "flattened" / "fsdp_checkpoints" / "epoch_000002", flatten=True)
     shutil.rmtree(checkpoints("none_whole") / "epoch_000002")
     flip(tmp_path / "none_whole" / newest / ".metadata", count=1)
     cases = [  # folder, script, flags, what the line says
@@ -320,6 +321,11 @@ def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_befo
          [f"checkpoint {newest} holds another model (BlockMLP, saved by fsdp.py); this script trains a Decoder: pass "
           "another --snapshot_path"]),
         ("none_whole", "fsdp.py", (*FLAGS, "--skip_damaged"), ["no checkpoint in fsdp_checkpoints checks out"]),
+        ("narrow", "fsdp.py", FLAGS, ["checkpoint fsdp_checkpoints/epoch_000002 does not fit this model",
+                                      "model.inp.weight is [32, 20], here [64, 20]"]),
+        ("flattened", "fsdp.py", FLAGS, ["checkpoint fsdp_checkpoints/epoch_000002 keeps its optimizer state "
+                                         "flattened (optimizer.param_groups.<parameter>.lr", "and this script keeps "
+                                         "it nested (optimizer.param_groups.0.lr", "another layout; pass another"]),
     ]
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     jobs = [start(torchrun_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, merge_output=False)
@@ -335,6 +341,8 @@ def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_befo
         p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}, "no file changed, none added or lost"
     assert (f"Checkpoint {newest} is damaged (.metadata does not match its sum (CRC-32 " in outputs["none_whole"]
             and f"set aside as {newest}.damaged (--skip_damaged)" in outputs["none_whole"]), outputs["none_whole"]
+    assert ("Checkpoint fsdp_checkpoints/epoch_000002 lists no sums (an older fsdp_checkpoint.py saved it): its files "
+            "unchecked") in outputs["narrow"], outputs["narrow"]
 
 
 def test_skip_damaged_sets_a_damaged_checkpoint_aside_and_resumes_bitwise_from_the_one_before(uninterrupted,
@@ -357,27 +365,6 @@ def test_skip_damaged_sets_a_damaged_checkpoint_aside_and_resumes_bitwise_from_t
     assert {p.name: p.read_bytes() for p in (checkpoints / "epoch_000004.damaged").iterdir()} == damaged
     assert_bitwise_equal(full_state(directory / "fsdp_checkpoints" / "epoch_000004", tmp_path),
                          full_state(checkpoints / "epoch_000004", tmp_path), "trained again from epoch 2")
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
-def test_a_checkpoint_with_the_optimizer_state_flattened_is_refused_in_one_line(tmp_path):
-    """fsdp.py's model with its optimizer's state flattened by parameter, as steps 6 to 8 save theirs, its marker
-    with every file's sum: the same tensors, the settings (lr, momentum) under other keys, which DCP would call a
-    missing key of a damaged checkpoint."""
-    model = BlockMLP(input_size=20)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
-    model(torch.randn(2, 20)).sum().backward()
-    optimizer.step()
-    model_state, optimizer_state = get_state_dict(model, optimizer,
-                                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
-    checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"
-    save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
-    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 2, "position": 0, "steps": 8,
-                                                                  "files": checkpoint_sums(checkpoint)}))
-    result = run(fsdp("--total_epochs", "4", *FLAGS), cwd=tmp_path, check=False, timeout=120)
-    assert_said_by_rank_0(result, "checkpoint fsdp_checkpoints/epoch_000002 keeps its optimizer state flattened "
-                                  "(optimizer.param_groups.<parameter>.lr", "and this script keeps it nested "
-                                  "(optimizer.param_groups.0.lr", "another layout; pass another --snapshot_path")
 
 
 def test_a_snapshot_path_the_nodes_do_not_share_is_refused_in_one_line(tmp_path):

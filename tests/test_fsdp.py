@@ -242,6 +242,8 @@ def test_the_process_group_is_freed_even_when_the_async_save_thread_lets_go_late
                *FLAGS, "--async_save"], cwd=tmp_path).stdout
     assert summary(out).epochs == 2
     assert sorted(p.name for p in (tmp_path / "fsdp_checkpoints").iterdir()) == ["epoch_000002"]
+    checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"  # summed in the save thread
+    assert json.loads((checkpoint / checkpoint_dir.MARKER).read_text())["files"] == checkpoint_sums(checkpoint)
 
 
 def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):

@@ -417,8 +417,10 @@ def write_checkpoint(model, optimizer, flatten, checkpoint):
 def test_checkpoints_these_scripts_cannot_go_on_from_are_one_line_from_rank_0(matrix, tmp_path):
     """Side by side, each in a folder of its own: the decoder narrower; the same decoder with its optimizer's state
     nested (as fsdp.py saves its own), which DCP would call a missing key; the matrix's last checkpoint with 400 bytes
-    flipped in its shard; fsdp.py on that checkpoint; a --snapshot_path that is a file. Each stops before any step
-    with its line, said by rank 0 alone, and leaves the checkpoints as they were."""
+    flipped in its shard; fsdp.py on that checkpoint, named by its marker, and again with the marker as an older
+    fsdp_checkpoint.py wrote it (no architecture, dataset or batch: the tensors tell); a --snapshot_path that is a
+    file. Each stops before any step with its line, said by rank 0 alone, and leaves the checkpoints as they
+    were."""
     last = matrix_run(matrix, len(MATRIX) - 1)[3]  # tensor_parallel.py's, at epoch 10
 
     def folder(case):
@@ -434,6 +436,10 @@ def test_checkpoints_these_scripts_cannot_go_on_from_are_one_line_from_rank_0(ma
     shutil.copytree(last, folder("flipped") / last.name)
     flip(tmp_path / "flipped" / "checkpoints" / last.name / "__0_0.distcp")
     shutil.copytree(last, folder("fsdp") / last.name)
+    shutil.copytree(last, folder("fsdp_older") / last.name)
+    marker = tmp_path / "fsdp_older" / "checkpoints" / last.name / checkpoint_dir.MARKER
+    marker.write_text(json.dumps({key: value for key, value in json.loads(marker.read_text()).items()
+                                  if key in ("epochs_run", "position", "steps", "world_size")}))
     folder("file")
     (tmp_path / "file" / "checkpoints").write_text("a file")
     newest = f"checkpoints/{last.name}"
@@ -448,6 +454,9 @@ def test_checkpoints_these_scripts_cannot_go_on_from_are_one_line_from_rank_0(ma
         ("fsdp", "fsdp.py", 2, ("--snapshot_path", "checkpoints", "--batch_size", "256"),
          [f"checkpoint {newest} holds another model (Decoder, saved by tensor_parallel.py); this script trains a "
           "BlockMLP: pass another --snapshot_path"]),
+        ("fsdp_older", "fsdp.py", 1, ("--snapshot_path", "checkpoints"),
+         [f"checkpoint {newest} holds another model (model.embed_tokens.weight, model.layers.0.",
+          "not this script's (model.blocks.0.fc1.bias, model.blocks.0.fc1.weight, ... 30 tensors): pass another"]),
         ("file", N, 2, F64, ["--snapshot_path checkpoints is a file, not a folder: each checkpoint is a folder"]),
     ]
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

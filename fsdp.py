@@ -25,12 +25,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import DataLoader
 
-from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, memory_report
+from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, check_folder, memory_report
 from models_and_data import BlockMLP, regression_dataset
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, save_every, save_every_steps, snapshot_path, async_save, device):
+    def __init__(self, model, train_data, optimizer, save_every, save_every_steps, snapshot_path, async_save, device,
+                 skip_damaged=False):
         self.device = device
         self.model = model  # sharded by fully_shard, on the device
         self.train_data = train_data
@@ -44,14 +45,14 @@ class Trainer:
         self.rank = dist.get_rank()
         self.save = dcp.async_save if async_save else dcp.save  # async: copies the shards, writes them in a thread
         # Every rank saves its own shards there; rank 0 marks a checkpoint complete once all are written, and says so.
-        self.checkpoints = CheckpointDir(snapshot_path, log=self.log)
-        where, path = self.checkpoints.newest()  # complete checkpoints only
+        self.checkpoints = CheckpointDir(snapshot_path, log=self.log, skip_damaged=skip_damaged)
+        # Complete checkpoints only, their files checked against their sums, made with this model, data and batch.
+        where, path = self.checkpoints.newest(self.where())
         if where:
             state = self.state()  # this rank's shards now: DCP reads into them what they cover of the saved ones
-            with self.checkpoints.loading(path, state):  # another model, a missing shard: one line
+            with self.checkpoints.loading(path, state):  # another model or optimizer layout: one line
                 dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-            self.sampler.check_snapshot(where, path)  # its position counts into one dataset's and seed's order
             self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
             self.log(f"Resuming from {path} at epoch {self.epochs_run}"
                      + (f", sample {self.position} of {self.sampler.size}" if self.position else ""))
@@ -63,7 +64,8 @@ class Trainer:
     def where(self):
         """What a checkpoint's marker holds besides the shards: where training stands, and what that depends on."""
         return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
-                "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch}
+                "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
+                "architecture": "BlockMLP"}
 
     def state(self, options=None):
         """Model and optimizer state keyed by parameter name, not by rank; by default each rank's shards."""
@@ -71,9 +73,9 @@ class Trainer:
         return {"model": model, "optimizer": optimizer}
 
     def _save(self):
-        path = self.checkpoints.start(self.where())  # its .tmp directory, once the save before it is complete
-        # Every rank writes its own shards at once (async: copies them, and writes while training goes on).
-        self.checkpoints.saving(self.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
+        writer = self.checkpoints.start(self.where())  # into its .tmp directory, once the save before it is complete
+        # Every rank writes and sums its own shards at once (async: copies them, and writes while training goes on).
+        self.checkpoints.saving(self.save(self.state(), storage_writer=writer, process_group=self.checkpoints.group))
 
     def _run_batch(self, source, targets, step_size):
         self.optimizer.zero_grad(set_to_none=True)
@@ -178,13 +180,7 @@ def main(args):
     if backend == "nccl" and device.type != "cuda":
         sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
     if rank == 0:  # the snapshot's folder checked now, not after the first epochs; torchrun then stops every rank
-        probe = os.path.join(args.snapshot_path, f".probe-{os.getpid()}")
-        try:
-            os.makedirs(args.snapshot_path, exist_ok=True)
-            open(probe, "wb").close()
-            os.remove(probe)
-        except OSError as error:
-            sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
+        check_folder(args.snapshot_path)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
     # FSDP gathers and reduce-scatters the shards over this group of world_size processes. A framework
@@ -206,7 +202,7 @@ def main(args):
     # the global generator (a resumed part of an epoch would draw once more than the run it resumes).
     train_data = DataLoader(dataset, sampler=sampler, batch_size=None, generator=torch.Generator())
     trainer = Trainer(model, train_data, optimizer, args.save_every, args.save_every_steps, args.snapshot_path,
-                      args.async_save, device)
+                      args.async_save, device, args.skip_damaged)
     trainer.train(args.total_epochs)
     if args.export_path:  # the full state, gathered in rank 0's CPU memory (the others get none), as one file
         full_state = trainer.state(StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -228,6 +224,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=int, default=32, help="samples per step and process (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the shuffle")
     parser.add_argument("--snapshot_path", default="fsdp_checkpoints", help="the checkpoints' directory")
+    parser.add_argument("--skip_damaged", action="store_true", help="set a damaged checkpoint aside (renamed "
+                        ".damaged) and resume from the newest one that checks out")
     parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the other ranks (default 300)")
     parser.add_argument("--amp", action="store_true", help="bf16 compute; fp32 gradient reduction and weights")

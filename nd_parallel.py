@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import DataLoader
 
-from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, load_whole_model
+from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, check_folder, load_whole_model
 from language_model import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
 # Optimizer state flattened (one key per parameter): each stage saves and loads its own part of the model's state.
@@ -87,14 +87,14 @@ class Trainer:
         for stage in self.stages:  # what the schedule calls for each micro-batch
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self.timed(getattr(stage, name)))
-        self.checkpoints = CheckpointDir(self.snapshot_path, log=self.log)
-        where, path = self.checkpoints.newest()  # complete checkpoints only
+        self.checkpoints = CheckpointDir(self.snapshot_path, log=self.log, skip_damaged=args.skip_damaged)
+        # Complete checkpoints only, their files checked against their sums, made with this model, data and batch.
+        where, path = self.checkpoints.newest(self.where())
         if where:
             state = self.state()  # this rank's pieces: DCP reads them from whichever files hold them
-            with self.checkpoints.loading(path, whole_model(state)):  # another model, a missing shard: one line
+            with self.checkpoints.loading(path, whole_model(state)):  # another model or optimizer layout: one line
                 dcp.load(state, checkpoint_id=path, process_group=self.checkpoints.group)
             self.set_state(state)
-            self.sampler.check_snapshot(where, path)
             self.epochs_run, self.position, self.steps_done = where["epochs_run"], where["position"], where["steps"]
             self.log(f"Resuming from {path} at epoch {self.epochs_run}, saved as {where.get('layout', '?')} on "
                      f"{where['world_size']} process{'es' * (where['world_size'] > 1)}")
@@ -138,7 +138,7 @@ class Trainer:
     def where(self):
         return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
                 "dataset_size": self.sampler.size, "seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
-                "layout": self.layout, "model": vars(self.config)}
+                "layout": self.layout, "model": vars(self.config), "architecture": "Decoder"}
 
     def state(self):
         """This rank's model and optimizer state, keyed by the full model's parameter names."""
@@ -160,8 +160,8 @@ class Trainer:
                 group.update(setting)
 
     def _save(self):
-        path = self.checkpoints.start(self.where())
-        self.checkpoints.saving(dcp.save(self.state(), checkpoint_id=path, process_group=self.checkpoints.group))
+        writer = self.checkpoints.start(self.where())  # into its .tmp directory: every rank writes and sums its files
+        self.checkpoints.saving(dcp.save(self.state(), storage_writer=writer, process_group=self.checkpoints.group))
 
     def _run_batch(self, source, targets):
         for optimizer in self.optimizers:
@@ -329,18 +329,20 @@ def holdings(part, names, total):
 
 
 def whole_model(state):
-    """The shapes of every rank's tensors together, as meta tensors under DCP's flat keys: what a checkpoint of
-    this model holds, to compare with one (a collective: every rank)."""
+    """Every rank's entries together under DCP's flat keys: the tensors as meta tensors of their shapes, the
+    optimizer's settings (lr, betas) as None: what a checkpoint of this model holds, to compare with one (a
+    collective: every rank)."""
     def flat(value, prefix=""):
         if isinstance(value, dict):
             for key, item in value.items():
                 yield from flat(item, f"{prefix}.{key}" if prefix else key)
-        elif isinstance(value, torch.Tensor):
-            yield prefix, tuple(value.shape)
+        else:
+            yield prefix, tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, dict(flat(state)))
-    return {key: torch.empty(shape, device="meta") for shapes in ranks for key, shape in shapes.items()}
+    return {key: None if shape is None else torch.empty(shape, device="meta")
+            for shapes in ranks for key, shape in shapes.items()}
 
 
 def load_train_objs(args, mesh):
@@ -388,13 +390,7 @@ def main(args):
     if backend == "nccl" and device.type != "cuda":
         sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
     if rank == 0:  # the snapshot's folder checked now, not after the first epochs; torchrun then stops every rank
-        probe = os.path.join(args.snapshot_path, f".probe-{os.getpid()}")
-        try:
-            os.makedirs(args.snapshot_path, exist_ok=True)
-            open(probe, "wb").close()
-            os.remove(probe)
-        except OSError as error:
-            sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
+        check_folder(args.snapshot_path)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
     # The mesh's groups are made from this group of world_size processes: one group per row of each dimension.
@@ -451,6 +447,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle")
     parser.add_argument("--data", help="a UTF-8 text file (default: data/shakespeare/input.txt, four plays)")
     parser.add_argument("--snapshot_path", default="nd_parallel_checkpoints", help="the checkpoints' directory")
+    parser.add_argument("--skip_damaged", action="store_true", help="set a damaged checkpoint aside (renamed "
+                        ".damaged) and resume from the newest one that checks out")
     parser.add_argument("--init_from_hf", metavar="DIR", help="start from a Llama checkpoint in Hugging Face's format "
                         "(config.json, *.safetensors); its config sets the model's sizes")
     parser.add_argument("--backend", choices=["nccl", "gloo", "mpi"], help="default: nccl on CUDA, gloo on the CPU")

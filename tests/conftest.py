@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections import namedtuple
 from pathlib import Path
 
@@ -282,6 +283,29 @@ def assert_one_line_error(result, *fragments, code=2):
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]
+
+
+def checkpoint_sums(checkpoint):
+    """{file: {"bytes", "crc32"}} of every file of a DCP checkpoint but its marker (fsdp_checkpoint.MARKER), computed
+    here, as the marker lists them."""
+    return {p.name: {"bytes": p.stat().st_size, "crc32": f"{zlib.crc32(p.read_bytes()):08x}"}
+            for p in checkpoint.iterdir() if p.name != "complete.json"}
+
+
+def flip(path, count=400):
+    """Flip every bit of `count` bytes in the middle of a file, in place: what a bad disk or a bad copy does."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(byte ^ 0xFF for byte in data[middle:middle + count])
+    path.write_bytes(data)
+
+
+def assert_said_by_rank_0(result, *fragments):
+    """One error line, said once (rank 0's; the other ranks say nothing), exit code 1, before any training step."""
+    line = assert_one_line_error(result, *fragments, code=1)  # torchrun exits 1
+    assert result.stderr.count("error: ") == 1, result.stderr[-3000:]
+    assert not epoch_lines(result.stdout), result.stdout[-2000:]
+    return line
 
 
 def load_snapshot(path):

@@ -176,6 +176,25 @@ def test_fsdp_memory_measures_the_meta_build_below_the_full_model(tmp_path):
     assert "Rank 1: peak 0." in result.stdout
 
 
+def test_checkpoint_sums_times_saves_and_loads_with_and_without_them(tmp_path):
+    """fsdp.py's model, small: each way saved and loaded (from the page cache and from disk), the checkpoints of
+    both the same files (the ranks' files of sums gathered into the marker and gone), every candidate sum timed."""
+    result = run([sys.executable, REPO / "benchmarks/checkpoint_sums.py", "--width", "128", "--repeats", "1", "--dir",
+                  tmp_path, "--out", tmp_path], cwd=REPO, timeout=240)
+    data = json.loads((tmp_path / "checkpoint_sums.json").read_text())
+    assert data["full_bytes"] == 4 * sum(p.numel() for p in BlockMLP(20, 128, 512, 4).parameters())
+    assert sorted(row["way"] for row in data["results"]) == ["with", "without"]
+    for row in data["results"]:
+        assert min(row["save_s"], row["load_cached_s"], row["load_from_disk_s"]) > 0, row
+        assert 2 * data["full_bytes"] < row["checkpoint_bytes"] < 2.2 * data["full_bytes"], "weights and momentum"
+    sizes = [data["medians"][way]["checkpoint_bytes"] for way in ("with", "without")]
+    assert abs(sizes[0] - sizes[1]) < 100, sizes  # .metadata names the folder: a few bytes apart
+    assert sorted(data["digest_GBps"]) == ["hashlib.blake2b", "hashlib.md5", "hashlib.sha1", "hashlib.sha256",
+                                           "zlib.adler32", "zlib.crc32"]
+    assert min(data["digest_GBps"].values()) > 0 and "without sums" in result.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_sums.json"], "the checkpoints removed"
+
+
 def check_parallel_bytes(data):
     """Every layout's counted bytes against its own formula and mesh: never below the formula (the bytes must
     cross), at most 5% above (gloo's headers); the ranks of one pipeline stage send the same bytes (to 1%: gloo's

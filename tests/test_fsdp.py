@@ -1,7 +1,9 @@
 """fsdp.py, the FSDP2 step, under torchrun: sharded training (each block its own unit, the collectives counted),
 the memory it reports, parity with DDP, and its distributed checkpoints (complete only when marked, resharding
-from 2 ranks to 1 and 3, a SIGKILL in the middle of an async save, then a bitwise resume on two nodes,
-checkpoints of another model or with a shard missing, a --snapshot_path the nodes do not share).
+from 2 ranks to 1 and 3, a SIGKILL in the middle of an async save, then a bitwise resume on two nodes, every
+file's sum in the marker; checkpoints with bytes flipped, a truncated marker or a shard missing, of another model,
+optimizer layout or global batch, each one line from rank 0; --skip_damaged's resume from the checkpoint before; a
+--snapshot_path that is a file, or that the nodes do not share).
 
 Checkpoints are read back in the test process with DCP's own converter (dcp_to_torch_save), not with fsdp.py.
 Launches are few (each costs seconds on a CPU): one 2-rank run serves most tests.
@@ -18,11 +20,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader, save
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, collectives_issued,
-                      epoch_lines, finish, free_port, run, start, summary, torchrun_cmd)
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, assert_said_by_rank_0, checkpoint_sums,
+                      clean_env, collectives_issued, epoch_lines, finish, flip, free_port, run, start, summary,
+                      torchrun_cmd)
 import fsdp_checkpoint as checkpoint_dir
+from language_model import read_text
 from models_and_data import BlockMLP
 from test_reliability import stopped_worker, torchrun_worker
 from test_step_checkpoints import epoch_batches
@@ -79,9 +83,10 @@ def test_fsdp_learns_shards_block_by_block_reports_its_shards_and_saves_complete
     checkpoints = directory / "fsdp_checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004"]
     newest = checkpoints / "epoch_000004"
-    assert json.loads((newest / checkpoint_dir.MARKER).read_text()) == {
-        "epochs_run": 4, "position": 0, "steps": STEPS * 4, "dataset_size": 2048, "seed": 0, "global_batch": 512,
-        "world_size": 2}
+    marker = json.loads((newest / checkpoint_dir.MARKER).read_text())
+    assert marker.pop("files") == checkpoint_sums(newest), "every file of it, its size and CRC-32 (zlib's, here)"
+    assert marker == {"epochs_run": 4, "position": 0, "steps": STEPS * 4, "dataset_size": 2048, "seed": 0,
+                      "global_batch": 512, "architecture": "BlockMLP", "world_size": 2, "saved_by": "fsdp.py"}
     assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                         checkpoint_dir.MARKER]
 
@@ -128,7 +133,8 @@ def test_a_two_rank_checkpoint_loads_at_another_world_size_with_the_full_state(u
     directory, _ = uninterrupted
     shutil.copytree(directory / "fsdp_checkpoints", tmp_path / "fsdp_checkpoints")
     saved = full_state(tmp_path / "fsdp_checkpoints" / "epoch_000004", tmp_path)
-    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--export_path", "full.pt", nproc=nproc), cwd=tmp_path).stdout
+    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--global_batch_size", "512", "--export_path", "full.pt",
+                   nproc=nproc), cwd=tmp_path).stdout
     assert f"Resuming from fsdp_checkpoints/epoch_000004 at epoch {EPOCHS}" in out and "Nothing to do" in out
     assert_bitwise_equal(saved, torch.load(tmp_path / "full.pt", weights_only=True), f"loaded at {nproc} ranks")
 
@@ -236,6 +242,8 @@ def test_the_process_group_is_freed_even_when_the_async_save_thread_lets_go_late
                *FLAGS, "--async_save"], cwd=tmp_path).stdout
     assert summary(out).epochs == 2
     assert sorted(p.name for p in (tmp_path / "fsdp_checkpoints").iterdir()) == ["epoch_000002"]
+    checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"  # summed in the save thread
+    assert json.loads((checkpoint / checkpoint_dir.MARKER).read_text())["files"] == checkpoint_sums(checkpoint)
 
 
 def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):
@@ -253,33 +261,112 @@ def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):
 
 # ---- bad input: one line, no traceback, the checkpoint left as it was ----
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
-    """A checkpoint as fsdp.py writes it (state keyed by parameter name), of the same model narrower."""
-    other = BlockMLP(input_size=20, width=32)
-    optimizer = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-    other(torch.randn(2, 20)).sum().backward()
+def write_checkpoint(checkpoint, width=64, flatten=False, sums=True):
+    """A checkpoint as fsdp.py writes it (state keyed by parameter name) of a BlockMLP of `width`, after a step, its
+    optimizer's state flattened by parameter or not, with a marker (every file's sum, or none, as an older
+    fsdp_checkpoint.py wrote it). Saved by this process alone (no_dist)."""
+    model = BlockMLP(input_size=20, width=width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    model(torch.randn(2, 20)).sum().backward()
     optimizer.step()
-    model_state, optimizer_state = get_state_dict(other, optimizer)
-    checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"
+    model_state, optimizer_state = get_state_dict(model, optimizer,
+                                                  options=StateDictOptions(flatten_optimizer_state_dict=flatten))
     save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
-    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 2, "position": 0, "steps": 2,
-                                                                  "world_size": 1}))
-    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
-    result = run(fsdp("--total_epochs", "4", *FLAGS, nproc=1), cwd=tmp_path, check=False, timeout=120)
-    assert_one_line_error(result, "checkpoint fsdp_checkpoints/epoch_000002 does not fit this model",
-                          "model.inp.weight is [32, 20], here [64, 20]", code=1)  # torchrun exits 1
-    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    marker = {"epochs_run": 2, "position": 0, "steps": 8, **({"files": checkpoint_sums(checkpoint)} if sums else {})}
+    (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps(marker))
 
 
-def test_a_checkpoint_with_a_shard_missing_is_refused_in_one_line(uninterrupted, tmp_path):
+LM = ("--dim", "32", "--n_layers", "2", "--n_heads", "4", "--n_kv_heads", "2", "--hidden", "64", "--seq_len", "16",
+      "--data", "text.txt", "--sample", "0")  # a small decoder for tensor_parallel.py
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
+def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_before_any_step(uninterrupted, tmp_path):
+    """Each case in a folder of its own, all launched side by side at 2 ranks. In a copy of the uninterrupted run's
+    checkpoints: 400 bytes flipped in rank 1's shard, the marker cut short, a shard missing, another global batch
+    (2 x 128, the checkpoint's 2 x 256), tensor_parallel.py on fsdp.py's checkpoints, and --skip_damaged where no
+    checkpoint checks out. Written here: the model narrower (a marker without sums, as an older fsdp_checkpoint.py
+    wrote it), and the optimizer's state flattened as steps 6 to 8 save theirs (the same tensors, the settings under
+    other keys, which DCP would call a damaged checkpoint's missing key). And a --snapshot_path that is a file. Each
+    stops with its line, and leaves the checkpoints as they were (--skip_damaged: the damaged one renamed)."""
     directory, _ = uninterrupted
-    shutil.copytree(directory / "fsdp_checkpoints", tmp_path / "fsdp_checkpoints")
-    (tmp_path / "fsdp_checkpoints" / "epoch_000004" / "__1_0.distcp").unlink()  # rank 1's file: rank 1 fails to read
-    result = run(fsdp("--total_epochs", "6", *FLAGS), cwd=tmp_path, check=False, timeout=120)
-    assert_one_line_error(result, "checkpoint fsdp_checkpoints/epoch_000004 is damaged: rank", "could not read it",
-                          "No such file or directory: 'fsdp_checkpoints/epoch_000004/__1_0.distcp'", code=1)
-    assert sorted(p.name for p in (tmp_path / "fsdp_checkpoints").iterdir()) == ["epoch_000002", "epoch_000004"]
+    newest = "fsdp_checkpoints/epoch_000004"
+
+    def checkpoints(case):
+        shutil.copytree(directory / "fsdp_checkpoints", tmp_path / case / "fsdp_checkpoints")
+        return tmp_path / case / "fsdp_checkpoints"
+
+    flip(checkpoints("flipped") / "epoch_000004" / "__1_0.distcp")
+    marker = checkpoints("truncated") / "epoch_000004" / checkpoint_dir.MARKER
+    marker.write_bytes(marker.read_bytes()[:40])
+    (checkpoints("missing") / "epoch_000004" / "__0_0.distcp").unlink()
+    checkpoints("batch")
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "fsdp_checkpoints").write_text("a file")
+    checkpoints("decoder")
+    (tmp_path / "decoder" / "text.txt").write_text(read_text()[0][:1200])
+    write_checkpoint(tmp_path / "narrow" / "fsdp_checkpoints" / "epoch_000002", width=32, sums=False)
+    write_checkpoint(tmp_path / "flattened" / "fsdp_checkpoints" / "epoch_000002", flatten=True)
+    shutil.rmtree(checkpoints("none_whole") / "epoch_000002")
+    flip(tmp_path / "none_whole" / newest / ".metadata", count=1)
+    cases = [  # folder, script, flags, what the line says
+        ("flipped", "fsdp.py", FLAGS, [f"checkpoint {newest} is damaged: __1_0.distcp does not match its sum (CRC-32",
+                                       "pass --skip_damaged to set it aside and resume from the newest checkpoint"]),
+        ("truncated", "fsdp.py", FLAGS, [f"checkpoint {newest} is damaged: its complete.json cannot be read "
+                                         "(JSONDecodeError: "]),
+        ("missing", "fsdp.py", FLAGS, [f"checkpoint {newest} is damaged: __0_0.distcp is missing; pass "
+                                       "--skip_damaged"]),
+        ("batch", "fsdp.py", ("--save_every", "2", "--batch_size", "128"),
+         [f"checkpoint {newest} was made with a global batch of 512, here 256: pass --global_batch_size 512"]),
+        ("file", "fsdp.py", FLAGS, ["--snapshot_path fsdp_checkpoints is a file, not a folder"]),
+        ("decoder", "tensor_parallel.py", (*LM, "--snapshot_path", "fsdp_checkpoints"),
+         [f"checkpoint {newest} holds another model (BlockMLP, saved by fsdp.py); this script trains a Decoder: pass "
+          "another --snapshot_path"]),
+        ("none_whole", "fsdp.py", (*FLAGS, "--skip_damaged"), ["no checkpoint in fsdp_checkpoints checks out"]),
+        ("narrow", "fsdp.py", FLAGS, ["checkpoint fsdp_checkpoints/epoch_000002 does not fit this model",
+                                      "model.inp.weight is [32, 20], here [64, 20]"]),
+        ("flattened", "fsdp.py", FLAGS, ["checkpoint fsdp_checkpoints/epoch_000002 keeps its optimizer state "
+                                         "flattened (optimizer.param_groups.<parameter>.lr", "and this script keeps "
+                                         "it nested (optimizer.param_groups.0.lr", "another layout; pass another"]),
+    ]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    jobs = [start(torchrun_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, merge_output=False)
+            for case, script, flags, _ in cases]
+    outputs = {}
+    for job, (case, _, _, fragments) in zip(jobs, cases):
+        out, err = finish(job, 180)
+        outputs[case] = out
+        assert_said_by_rank_0(subprocess.CompletedProcess(job.args, job.returncode, out, err), *fragments)
+    aside = {p: tmp_path / "none_whole" / f"{newest}.damaged" / p.name for p in before if "none_whole" in p.parts
+             and "epoch_000004" in p.parts}
+    assert {aside.get(p, p): data for p, data in before.items()} == {
+        p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}, "no file changed, none added or lost"
+    assert (f"Checkpoint {newest} is damaged (.metadata does not match its sum (CRC-32 " in outputs["none_whole"]
+            and f"set aside as {newest}.damaged (--skip_damaged)" in outputs["none_whole"]), outputs["none_whole"]
+    assert ("Checkpoint fsdp_checkpoints/epoch_000002 lists no sums (an older fsdp_checkpoint.py saved it): its files "
+            "unchecked") in outputs["narrow"], outputs["narrow"]
+
+
+def test_skip_damaged_sets_a_damaged_checkpoint_aside_and_resumes_bitwise_from_the_one_before(uninterrupted,
+                                                                                              tmp_path):
+    """400 bytes flipped in rank 1's shard of the newest checkpoint: with --skip_damaged the run says so, renames it
+    epoch_000004.damaged (kept as it was), resumes from epoch 2's, and trains epochs 2 and 3 to the uninterrupted
+    run's weights, bitwise."""
+    directory, uninterrupted_out = uninterrupted
+    checkpoints = tmp_path / "fsdp_checkpoints"
+    shutil.copytree(directory / "fsdp_checkpoints", checkpoints)
+    flip(checkpoints / "epoch_000004" / "__1_0.distcp")
+    damaged = {p.name: p.read_bytes() for p in (checkpoints / "epoch_000004").iterdir()}
+    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--skip_damaged"), cwd=tmp_path).stdout
+    assert re.search(r"^Checkpoint fsdp_checkpoints/epoch_000004 is damaged \(__1_0\.distcp does not match its sum "
+                     r"\(CRC-32 [0-9a-f]{8}, complete\.json says [0-9a-f]{8}\)\): set aside as "
+                     r"fsdp_checkpoints/epoch_000004\.damaged \(--skip_damaged\)$", out, re.M), out[-3000:]
+    assert "Resuming from fsdp_checkpoints/epoch_000002 at epoch 2" in out
+    assert epoch_lines(out) == epoch_lines(uninterrupted_out)[2:], "epochs 2 and 3 as the uninterrupted run's"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_000002", "epoch_000004", "epoch_000004.damaged"]
+    assert {p.name: p.read_bytes() for p in (checkpoints / "epoch_000004.damaged").iterdir()} == damaged
+    assert_bitwise_equal(full_state(directory / "fsdp_checkpoints" / "epoch_000004", tmp_path),
+                         full_state(checkpoints / "epoch_000004", tmp_path), "trained again from epoch 2")
 
 
 def test_a_snapshot_path_the_nodes_do_not_share_is_refused_in_one_line(tmp_path):

@@ -2,7 +2,8 @@
 4 and 8 processes: what each rank holds and which collectives the layers run; the same numbers as one process in
 every layout and pipeline schedule; each script resuming each one's checkpoints; a checkpoint killed mid-save never
 loaded; Hugging Face out (transformers loads an export, logits equal) and in (a checkpoint transformers wrote trains
-on in a split layout); bad input in one line.
+on in a split layout); bad input in one line, and checkpoints these scripts cannot go on from (another model, sizes
+or optimizer layout, bytes flipped, fsdp.py's and theirs the other way round), each one line from rank 0.
 
 The one-process reference is computed here, in this process, with plain torch (no torch.distributed): the Decoder,
 AdamW, the mean cross-entropy of each step's tokens, in float64, over the same global batches (the epoch's order is
@@ -20,6 +21,7 @@ have 6 decimals: LOSS_TOL = 1e-6.
 """
 import json
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -29,8 +31,8 @@ from torch.distributed.checkpoint import FileSystemReader, save
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from conftest import (BIN, REPO, assert_one_line_error, clean_env, epoch_lines, finish, run, start, summary,
-                      torchrun_cmd)
+from conftest import (BIN, REPO, assert_one_line_error, assert_said_by_rank_0, checkpoint_sums, clean_env,
+                      epoch_lines, finish, flip, run, start, summary, torchrun_cmd)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import Decoder, DecoderConfig, hf_name, read_text, text_splits
 
@@ -399,23 +401,68 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["short.txt"], "stopped before making the checkpoints' directory"
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
-    """A checkpoint as the scripts write it (the full model's names, optimizer state flattened), of the same model
-    narrower, with a complete marker."""
-    other = Decoder(DecoderConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, hidden=64, max_seq_len=16))
-    optimizer = torch.optim.AdamW(other.parameters())
-    other(torch.randint(0, 256, (2, 16))).sum().backward()
+def write_checkpoint(model, optimizer, flatten, checkpoint):
+    """A checkpoint as the scripts write it (the full model's names), after one step, its optimizer's state flattened
+    or not; its marker lists every file's sum."""
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
     optimizer.step()
-    model_state, optimizer_state = get_state_dict(other, optimizer,
-                                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
-    checkpoint = tmp_path / "checkpoints" / "epoch_000001"
+    model_state, optimizer_state = get_state_dict(model, optimizer,
+                                                  options=StateDictOptions(flatten_optimizer_state_dict=flatten))
     save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint, no_dist=True)
     (checkpoint / checkpoint_dir.MARKER).write_text(json.dumps({"epochs_run": 1, "position": 0, "steps": 4,
-                                                                  "world_size": 1}))
-    (tmp_path / "text.txt").write_text(the_text())
-    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
-    result = launch(N, "--total_epochs", "2", *F64, nproc=1, cwd=tmp_path, check=False)
-    assert_one_line_error(result, "checkpoint checkpoints/epoch_000001 does not fit this model",
-                          "model.embed_tokens.weight is [256, 16], here [256, 32]", code=1)
-    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+                                                                  "files": checkpoint_sums(checkpoint)}))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
+def test_checkpoints_these_scripts_cannot_go_on_from_are_one_line_from_rank_0(matrix, tmp_path):
+    """Side by side, each in a folder of its own: the decoder narrower; the same decoder with its optimizer's state
+    nested (as fsdp.py saves its own), which DCP would call a missing key; the matrix's last checkpoint with 400 bytes
+    flipped in its shard; fsdp.py on that checkpoint, named by its marker, and again with the marker as an older
+    fsdp_checkpoint.py wrote it (no architecture, dataset or batch: the tensors tell); a --snapshot_path that is a
+    file. Each stops before any step with its line, said by rank 0 alone, and leaves the checkpoints as they
+    were."""
+    last = matrix_run(matrix, len(MATRIX) - 1)[3]  # tensor_parallel.py's, at epoch 10
+
+    def folder(case):
+        (tmp_path / case).mkdir()
+        (tmp_path / case / "text.txt").write_text(the_text())
+        return tmp_path / case / "checkpoints"
+
+    narrow = Decoder(DecoderConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, hidden=64, max_seq_len=16))
+    write_checkpoint(narrow, torch.optim.AdamW(narrow.parameters()), True, folder("narrow") / "epoch_000001")
+    nested = Decoder(CONFIG).init_weights(0).double()
+    write_checkpoint(nested, torch.optim.AdamW(nested.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+                     False, folder("nested") / "epoch_000001")
+    shutil.copytree(last, folder("flipped") / last.name)
+    flip(tmp_path / "flipped" / "checkpoints" / last.name / "__0_0.distcp")
+    shutil.copytree(last, folder("fsdp") / last.name)
+    shutil.copytree(last, folder("fsdp_older") / last.name)
+    marker = tmp_path / "fsdp_older" / "checkpoints" / last.name / checkpoint_dir.MARKER
+    marker.write_text(json.dumps({key: value for key, value in json.loads(marker.read_text()).items()
+                                  if key in ("epochs_run", "position", "steps", "world_size")}))
+    folder("file")
+    (tmp_path / "file" / "checkpoints").write_text("a file")
+    newest = f"checkpoints/{last.name}"
+    cases = [  # folder, script, processes, flags, what the line says
+        ("narrow", N, 1, F64, ["checkpoint checkpoints/epoch_000001 does not fit this model",
+                               "model.embed_tokens.weight is [256, 16], here [256, 32]"]),
+        ("nested", T, 2, F64, ["checkpoint checkpoints/epoch_000001 keeps its optimizer state nested (optimizer."
+                               "param_groups.0.lr", "and this script keeps it flattened (optimizer.param_groups."
+                               "<parameter>.lr", "another layout; pass another --snapshot_path"]),
+        ("flipped", P, 2, F64, [f"checkpoint {newest} is damaged: __0_0.distcp does not match its sum (CRC-32 ",
+                                "pass --skip_damaged to set it aside"]),
+        ("fsdp", "fsdp.py", 2, ("--snapshot_path", "checkpoints", "--batch_size", "256"),
+         [f"checkpoint {newest} holds another model (Decoder, saved by tensor_parallel.py); this script trains a "
+          "BlockMLP: pass another --snapshot_path"]),
+        ("fsdp_older", "fsdp.py", 1, ("--snapshot_path", "checkpoints"),
+         [f"checkpoint {newest} holds another model (model.embed_tokens.weight, model.layers.0.",
+          "not this script's (model.blocks.0.fc1.bias, model.blocks.0.fc1.weight, ... 30 tensors): pass another"]),
+        ("file", N, 2, F64, ["--snapshot_path checkpoints is a file, not a folder: each checkpoint is a folder"]),
+    ]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    jobs = [start(torchrun_cmd(script, "--total_epochs", "12", *flags, nproc=nproc), cwd=tmp_path / case,
+                  env=clean_env(**ENV), merge_output=False) for case, script, nproc, flags, _ in cases]
+    for job, (*_, fragments) in zip(jobs, cases):
+        out, err = finish(job, 300)
+        assert_said_by_rank_0(subprocess.CompletedProcess(job.args, job.returncode, out, err), *fragments)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -158,10 +158,14 @@ def test_nd_a_killed_rank_is_named_at_once_by_the_group_it_broke_and_torchfrtrac
     # command reads the three dumps there are.
     line = diagnosed(tmp_path, "nd_parallel.py", "kill", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"),
                      timeout=MESH_TIMEOUT)
+    # Whichever of its partners asks first: rank 2's all-gather in their tp group, or rank 1's FSDP2 gather in
+    # their dp_shard group; both broke on rank 3.
     step = re.escape(line_of("nd_parallel.py", "return work(*args, **kwargs)"))
     attention = re.escape(line_of("language_model.py", "self.self_attn(self.input_layernorm(x))"))
-    head = (rf"diagnose: collective #\d+ \(all_gather of \[{BATCH // 2}, {SEQ // 2}, {DIM}\], DTensor in "
-            rf"PrepareModuleInput of layers\.0\.self_attn at {step} via {attention} in forward\) in tp group \[2, 3\] "
+    layers = re.escape(line_of("language_model.py", "x = layer(x)"))
+    head = (rf"diagnose: collective #\d+ \((all_gather of \[{BATCH // 2}, {SEQ // 2}, {DIM}\], DTensor in "
+            rf"PrepareModuleInput of layers\.0\.self_attn at {step} via {attention} in forward\) in tp group \[2, 3\]|"
+            rf"all_gather of \[\d+\], FSDP's at {step} via {layers} in forward\) in dp_shard group \[1, 3\]) "
             r"failed \(.*?\): rank 3 is gone: killed by SIGKILL \(pid \d+, on [^)]+\)")
     assert re.match(head, line), line
     assert "odd one out" not in line and "did not arrive" not in line, line

@@ -11,14 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import BIN, REPO, check_no_abort, clean_env, free_port, kill_launched, launched_pids, mpi_env, start
+from conftest import (BIN, REPO, clean_env, free_port, kill_launched, launched_pids, mpi_env, start,
+                      watch)
 
 SOURCE = REPO / "diagnose" / "src"
 TIMEOUT = 6  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
@@ -119,26 +119,6 @@ def env_for(launcher, **extra):
     return base(MASTER_PORT=free_port(), **extra)
 
 
-def watch(cmd, env, cwd, aborts=False, on_line=lambda line: None):
-    """Run a launch to its end: (exit code, [(time, line)]); one still running after HANG_GUARD_S fails, and so
-    does one that printed an abort marker (a crash) unless `aborts`. on_line(line) as each line comes."""
-    process = start(cmd, cwd, env)
-    hung = threading.Event()
-    timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
-    timer.start()
-    lines = []
-    for line in process.stdout:
-        lines.append((time.monotonic(), line.rstrip("\n")))
-        on_line(lines[-1][1])
-    process.wait()
-    timer.cancel()
-    if hung.is_set():
-        pytest.fail(f"still running after {HANG_GUARD_S}s:\n" + "\n".join(line for _, line in lines)[-3000:])
-    if not aborts:
-        check_no_abort("\n".join(line for _, line in lines), " ".join(map(str, cmd)))
-    return process.returncode, lines
-
-
 def the_line(lines):
     """The tool's line: exactly one (one host), whatever the launcher printed around it; the prefix says it again
     as the job's last line, after the launcher's report."""
@@ -164,8 +144,8 @@ LAUNCHERS = ["torchrun", "mp.spawn", "mpirun"]
 @pytest.mark.quick
 @pytest.mark.parametrize("launcher", ["torchrun"])  # mp.spawn and mpirun: test_diagnose_installed.py
 def test_a_stalled_rank_is_named_with_the_line_where_it_stands(tmp_path, launcher):
-    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="stall"),
-                        tmp_path)
+    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), tmp_path,
+                        env_for(launcher, FAULT="stall"))
     line = the_line(lines)
     assert code != 0
     assert line.startswith("diagnose: collective #12 (all_reduce of [1409], DDP's gradients in backward() at "
@@ -177,8 +157,8 @@ def test_a_stalled_rank_is_named_with_the_line_where_it_stands(tmp_path, launche
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])  # mp.spawn: test_diagnose_installed.py
 def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path, launcher):
-    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="die"),
-                        tmp_path)
+    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), tmp_path,
+                        env_for(launcher, FAULT="die"))
     line = the_line(lines)
     assert code != 0
     assert line.startswith(f"diagnose: collective #12 (all_reduce of [1409], DDP's gradients in backward() at "
@@ -194,7 +174,7 @@ def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path, launcher):
 def test_a_skipped_collective_names_both_sides_and_torchfrtrace_reads_the_dumps(tmp_path):
     # The dumps land in fr_traces/ of the folder the tool runs in.
     code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))),
-                        clean_env(MASTER_PORT=free_port(), FAULT="skip"), tmp_path)
+                        tmp_path, clean_env(MASTER_PORT=free_port(), FAULT="skip"))
     line = the_line(lines)
     assert code != 0
     assert ("the ranks wait in different collectives: rank 0 in all_gather of [2] at "
@@ -209,8 +189,8 @@ def test_a_skipped_collective_names_both_sides_and_torchfrtrace_reads_the_dumps(
 
 def test_another_shape_is_named(tmp_path):
     """gloo aborts a rank whose peer sends another shape: the survivor names the abort and its likely cause."""
-    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env_for("torchrun", FAULT="shape"),
-                        tmp_path, aborts=True)
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), tmp_path,
+                        env_for("torchrun", FAULT="shape"), aborts=True)
     line = the_line(lines)
     assert code != 0
     assert "killed by SIGABRT" in line and "another shape" in line, line
@@ -222,7 +202,7 @@ def test_under_debug_detail_both_sides_are_named_at_once(tmp_path, fault, other)
     """TORCH_DISTRIBUTED_DEBUG=DETAIL raises on every rank before any waits; the tool names both sides (and keeps
     torch 2.13's DDP from crashing in its constructor under DETAIL with gloo)."""
     env = env_for("torchrun", FAULT=fault, TORCH_DISTRIBUTED_DEBUG="DETAIL")
-    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env, tmp_path)
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), tmp_path, env)
     line = the_line(lines)
     assert code != 0
     assert line.startswith(f"diagnose: the ranks called different collectives at #12: rank 0 all_gather of [2] (Float) "
@@ -238,7 +218,7 @@ def test_keep_waiting_prints_the_line_and_lets_the_job_finish(tmp_path):
     cmd = diagnose_cmd(*launch("torchrun", user_script(tmp_path)), options=["--keep-waiting"])
     go = tmp_path / "go"
     env = env_for("torchrun", FAULT="stall", STALL_UNTIL=go, STALL_S=0.2, STEPS=6)
-    code, lines = watch(cmd, env, tmp_path, on_line=lambda line: line.startswith("diagnose: ") and go.touch())
+    code, lines = watch(cmd, tmp_path, env, on_line=lambda line: line.startswith("diagnose: ") and go.touch())
     line = the_line(lines)
     assert "rank 1 did not arrive" in line and line.endswith("(--keep-waiting: the job goes on waiting)"), line
     assert code == 0, "\n".join(text for _, text in lines)[-3000:]
@@ -249,7 +229,7 @@ def test_a_healthy_job_pays_nothing_and_the_next_sitecustomize_still_runs(tmp_pa
     """A job that does not hang ends as without the tool; the tests' own sitecustomize (tests/support), which
     counts each rank's collectives, still loads after the tool's."""
     code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))),
-                        env_for("torchrun", DDP_EXAMPLES_PROBE_COLLECTIVES=1), tmp_path)
+                        tmp_path, env_for("torchrun", DDP_EXAMPLES_PROBE_COLLECTIVES=1))
     output = "\n".join(text for _, text in lines)
     assert code == 0, output[-3000:]
     assert "diagnose:" not in output
@@ -283,7 +263,7 @@ def test_nccl_without_a_gpu_is_one_line(tmp_path):
     script = tmp_path / "nccl.py"
     script.write_text('import torch.distributed as dist\ndist.init_process_group("nccl", rank=0, world_size=1)\n')
     env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
-    code, lines = watch(diagnose_cmd(sys.executable, script), env, tmp_path)
+    code, lines = watch(diagnose_cmd(sys.executable, script), tmp_path, env)
     assert code != 0
     assert "NCCL needs CUDA GPUs, and this process sees none" in the_line(lines)
 
@@ -316,7 +296,7 @@ def test_it_works_with_torch_outside_its_pythons_own_packages(tmp_path):
     shutil.copy(SOURCE / "torchdiagnose-hook.pth", packages)
     cmd = [python, "-m", "torchdiagnose", "--timeout", str(TIMEOUT), python, "-m", "torch.distributed.run",
            "--standalone", "--nproc_per_node=2", user_script(tmp_path)]
-    code, lines = watch(cmd, env_for("torchrun", FAULT="stall"), tmp_path)
+    code, lines = watch(cmd, tmp_path, env_for("torchrun", FAULT="stall"))
     line = the_line(lines)
     assert code != 0 and f"backward() at {line_of('the backward line')}) waited" in line, line
     assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('the stall')}" in line, line
@@ -340,8 +320,8 @@ def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_
     hosts the store and waits for rank 1. Either way one line after --timeout, instead of torch's 30 minutes."""
     started = time.monotonic()
     code, lines = watch(diagnose_cmd(sys.executable, user_script(tmp_path)),
-                        clean_env(RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
-                                  ), tmp_path)
+                        tmp_path, clean_env(RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
+                                  ))
     assert code != 0
     line = the_line(lines)
     assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: ") and cause in line, line
@@ -513,8 +493,8 @@ def test_a_rendezvous_host_that_does_not_resolve_is_one_line_at_once(tmp_path, c
     # Without the tool, torchrun's agent and init_process_group retry the name until their timeout (minutes).
     env = (mpi_env if client == "mpirun" else clean_env)(MASTER_ADDR=BAD_HOST, MASTER_PORT=free_port())
     began = time.monotonic()
-    code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), BAD_HOST, free_port())), env,
-                        tmp_path)
+    code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), BAD_HOST, free_port())), tmp_path,
+                        env)
     line = the_line(lines)
     assert code == 1 and f"rendezvous host '{BAD_HOST}'" in line and "does not resolve" in line, line
     assert time.monotonic() - began < 20 and not any("done" in text for _, text in lines), lines
@@ -528,7 +508,7 @@ def test_a_rendezvous_port_in_use_is_one_line_at_once(tmp_path, client):
         taken.listen()
         port = taken.getsockname()[1]
         code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), "127.0.0.1", port)),
-                            clean_env(), tmp_path)
+                            tmp_path, clean_env())
     line = the_line(lines)
     flag = "--main_process_port" if client == "accelerate" else "--master_port"
     assert code == 1 and f"port {port} is already in use" in line and flag in line, line
@@ -539,7 +519,7 @@ def test_a_host_the_script_itself_names_is_checked_in_the_rank(tmp_path):
     script.write_text(f'import torch.distributed as dist\ndist.init_process_group("gloo", "tcp://{BAD_HOST}:'
                       f'{free_port()}", rank=0, world_size=1)\n')
     began = time.monotonic()
-    code, lines = watch(diagnose_cmd(sys.executable, script), clean_env(), tmp_path)
+    code, lines = watch(diagnose_cmd(sys.executable, script), tmp_path, clean_env())
     line = the_line(lines)
     assert code == 1 and f"'{BAD_HOST}' (init_method) does not resolve" in line, line
     assert time.monotonic() - began < 20

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import conftest
-from conftest import BIN, REPO, TOKEN_VARIABLE, free_port, mpi_env
-from test_hangs import watch
+from conftest import (BIN, REPO, TOKEN_VARIABLE, free_port, mpi_env, watch)
+
 
 TIMEOUT = 6  # the tool's --timeout
 ENDS_WITHIN_S = 15  # from the tool's line to the job's last line (a stopped rank took torchrun 30 s more)

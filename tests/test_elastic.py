@@ -13,12 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import (BIN, REPO, assert_bitwise_equal, clean_env, epoch_lines, finish, free_port, launched_pids,
-                      load_snapshot, process_state, start, summary)
-from test_reliability import children, torchrun_worker, wait_for
+from conftest import (BIN, ELASTIC, RDZV_CONF, REPO, alive, assert_bitwise_equal, children, clean_env, epoch_lines,
+                      finish, free_port, launched_pids, load_snapshot, release_when_stopped_by_torchrun,
+                      start, summary, torchrun_worker, wait_for)
 
-# What docs/elastic.md's commands set: torchrun's shared store deadlocks a node that joins later.
-ELASTIC = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
 
 
 def paced(env, directory, seconds):
@@ -26,9 +24,6 @@ def paced(env, directory, seconds):
     that follows, a node alone runs free, and at full speed (about 0.1 s an epoch) it could finish the run there."""
     directory.mkdir(exist_ok=True)
     return {**env, "DDP_EXAMPLES_PROBE_SAMPLES": str(directory), "DDP_EXAMPLES_PROBE_STEP_DELAY": str(seconds)}
-# torchrun's defaults would cost minutes: 30 s in which a lone node waits for more before it starts (last
-# call), 15 s before a dead node is dropped (3 missed heartbeats, 5 s apart).
-RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 EPOCHS = 12
 STEPS = {1: 64, 2: 32}  # 2048 samples, 32 per rank and step: the steps of an epoch tell its world size
 
@@ -66,21 +61,6 @@ def epochs_in(path):
     return _seen[path][1]
 
 
-def alive(pid):
-    return process_state(pid) not in (None, "Z")
-
-
-def signal_pending(pid, sig):
-    """Whether `sig` waits to be delivered to the process: a stopped one gets it only once continued."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            status = f.read()
-    except OSError:
-        return False
-    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
-    return any(mask & (1 << (sig - 1)) for mask in masks)
-
-
 def hold(agent, restart):
     """SIGSTOP the node's worker of this restart round: its training stands still, and the others wait on it.
     Its snapshot cannot change while it is held."""
@@ -89,14 +69,6 @@ def hold(agent, restart):
     assert worker, "the node's worker should be training"
     os.kill(worker, signal.SIGSTOP)
     return worker
-
-
-def release_when_stopped_by_torchrun(worker):
-    """Let a held worker go once its agent has sent it SIGTERM to re-form the group: it ends at once."""
-    wait_for(lambda: signal_pending(worker, signal.SIGTERM) or not alive(worker), 120,
-             "torchrun to stop the held worker for the new node")
-    os.kill(worker, signal.SIGCONT)
-    wait_for(lambda: not alive(worker), 60, "the held worker to end")
 
 
 def phases(output):

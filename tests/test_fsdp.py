@@ -23,13 +23,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, assert_said_by_rank_0, checkpoint_sums,
-                      clean_env, collectives_issued, epoch_lines, finish, flip, free_port, run, start, summary,
-                      torchrun_cmd)
+                      clean_env, collectives_issued, epoch_batches, epoch_lines, finish, flip, free_port, run, start,
+                      stopped_worker, summary, torchrun_cmd, torchrun_worker)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import read_text
 from models_and_data import BlockMLP
-from test_reliability import stopped_worker, torchrun_worker
-from test_step_checkpoints import epoch_batches
+
+
 
 FLAGS = ("--save_every", "2", "--batch_size", "256")  # 4 steps an epoch at 2 ranks: FSDP on a CPU is slow per step
 EPOCHS = 4

@@ -65,6 +65,7 @@ _current_token = SESSION_TOKEN
 
 # tests/support/sitecustomize.py: every launched process checks that destroy_process_group freed the group.
 PROBE = REPO / "tests" / "support"
+PROGRAMS = PROBE / "programs"  # programs the tests run that are not the repository's: a user's, a wrapper
 PROBE_MARKER = "ddp-examples-probe:"
 
 

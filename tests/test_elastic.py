@@ -13,10 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import (BIN, ELASTIC, RDZV_CONF, REPO, alive, assert_bitwise_equal, children, clean_env, epoch_lines,
-                      finish, free_port, launched_pids, load_snapshot, release_when_stopped_by_torchrun,
+from conftest import (BIN, ELASTIC, PROGRAMS, RDZV_CONF, REPO, alive, assert_bitwise_equal, children, clean_env,
+                      epoch_lines, finish, free_port, launched_pids, load_snapshot, release_when_stopped_by_torchrun,
                       start, summary, torchrun_worker, wait_for)
-
 
 
 def paced(env, directory, seconds):
@@ -33,18 +32,6 @@ def agent_cmd(node, port, *args, max_restarts=3, launcher=(BIN / "torchrun",), n
             "--rdzv_id=elastic", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
             f"--rdzv_conf={RDZV_CONF}", REPO / "multinode.py", "--total_epochs", str(EPOCHS), "--save_every", "1",
             "--batch_size", "32", "--timeout", "30", "--snapshot_path", f"node{node}.pt", *args]
-
-
-# A node started now that runs its command only once the file `go` exists. Its process, which torchrun
-# becomes (exec keeps the pid), exists before the other nodes': torchrun orders the nodes of a rendezvous
-# by address, then pid, so this node takes rank 0 when it joins.
-HELD_BACK = ("import os, sys, time\n"
-             "go, deadline = sys.argv[1], time.monotonic() + 300\n"
-             "while not os.path.exists(go):\n"
-             "    if time.monotonic() > deadline:\n"
-             "        sys.exit('never told to start')\n"
-             "    time.sleep(0.01)\n"
-             "os.execv(sys.argv[2], sys.argv[2:])\n")
 
 
 _seen = {}  # path -> ((mtime, inode), epochs): a snapshot is read again only once it was replaced
@@ -91,7 +78,10 @@ def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_
     port, go = free_port(), tmp_path / "go"
     node0, node1, node2 = (tmp_path / f"node{n}.pt" for n in range(3))
     env = paced(ELASTIC, tmp_path / "probe", 0.02)  # 1.3 s an epoch alone: node 0 cannot run to the end unseen
-    late = start([sys.executable, "-c", HELD_BACK, go, *agent_cmd(2, port, max_restarts=0)], tmp_path, env)
+    # A node started now (tests/support/programs/held_back.py) that runs its command only once the file `go`
+    # exists. Its process, which torchrun becomes (exec keeps the pid), exists before the other nodes': torchrun
+    # orders the nodes of a rendezvous by address, then pid, so this node takes rank 0 when it joins.
+    late = start([sys.executable, PROGRAMS / "held_back.py", go, *agent_cmd(2, port, max_restarts=0)], tmp_path, env)
     first = start(agent_cmd(0, port), tmp_path, env)
     assert late.pid < first.pid, "node 2's pid must be the lower one (pid numbers wrapped around?)"
 

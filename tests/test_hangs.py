@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from conftest import (BIN, REPO, assert_one_line_error, clean_env, mpi_env, mpirun_cmd,
-                      python_cmd, run, torchrun_cmd, watch)
+from conftest import (BIN, PROGRAMS, REPO, assert_one_line_error, clean_env, mpi_env, mpirun_cmd, python_cmd, run,
+                      torchrun_cmd, watch)
 
 TIMEOUT = 8  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
 DEADLINE_S = TIMEOUT + 30  # from the fault to the job's end
@@ -117,34 +117,11 @@ def test_bad_input_is_one_line(tmp_path, cmd, message):
     assert_one_line_error(result, message, code=1 if "torchrun" in str(cmd[0]) else 2)
 
 
-FAULTY = """\
-import os, runpy, sys, threading
-sys.path.insert(0, {repo!r})
-import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
-
-
-def after_step(optimizer, args, kwargs, steps=[0]):
-    steps[0] += 1
-    if steps[0] == 40 and dist.get_rank() == 1:  # in the second epoch of 32 steps
-        os.write(1, b"rank 1: stall at step 40\\n")
-        lock = threading.Lock()
-        lock.acquire()
-        lock.acquire()  # the stall
-
-
-register_optimizer_step_post_hook(after_step)
-sys.argv[0] = {script!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.slow
 def test_mpirun_train_under_the_tool_names_a_stuck_rank(tmp_path):
     """run_with_mpirun.py --train, rank 1 deadlocked after its 40th step by a wrapper: the tool names it."""
-    wrapper = tmp_path / "faulty.py"
-    wrapper.write_text(FAULTY.format(repo=str(REPO), script=str(REPO / "run_with_mpirun.py")))
-    launch = mpirun_cmd(wrapper, "--train", "--total_epochs", "1000", "--save_every", "1000")
+    launch = mpirun_cmd(PROGRAMS / "stall_at_step_40.py", REPO / "run_with_mpirun.py", "--train", "--total_epochs",
+                        "1000", "--save_every", "1000")
     code, lines = watch(diagnosed(launch), tmp_path, mpi_env())
     assert code != 0
     line = the_line(lines)
@@ -154,7 +131,7 @@ def test_mpirun_train_under_the_tool_names_a_stuck_rank(tmp_path):
     # The script the rank runs (run_with_mpirun.py, which the wrapper runs as __main__) first, at its call that led
     # to the stall; then the innermost frame, the wrapper's hook.
     step = line_of("optimizer.step()", script, "run_with_mpirun.py")
-    stall = line_of("# the stall", FAULTY.splitlines(), "faulty.py")
+    stall = line_of("# the stall", (PROGRAMS / "stall_at_step_40.py").read_text().splitlines(), "stall_at_step_40.py")
     assert f"rank 1 did not arrive: it is alive, in its own code at {step} (innermost: {stall} in after_step)" \
         in line, line
     ends_in_time(lines, "rank 1: stall at step 40")

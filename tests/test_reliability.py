@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import (BIN, HANG_GUARD_S, REPO, assert_bitwise_equal, assert_same_training_state, children, clean_env,
-                      environ, finish, free_port, load_snapshot, mpi_env, mpirun_cmd, python_cmd, run,
-                      start, stopped_worker, summary, torchrun_cmd, torchrun_worker, wait_for)
+from conftest import (BIN, HANG_GUARD_S, PROGRAMS, REPO, assert_bitwise_equal, assert_same_training_state, children,
+                      clean_env, environ, finish, free_port, load_snapshot, mpi_env, mpirun_cmd, python_cmd, run, start,
+                      stopped_worker, summary, torchrun_cmd, torchrun_worker, wait_for)
 
 FLAGS = ("--save_every", "2", "--batch_size", "16")
 EPOCHS = "16"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
@@ -85,17 +85,8 @@ def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path):
     path = tmp_path / "multigpu_torchrun.pt"
     before = path.read_bytes()
     # A real SIGKILL in the middle of the script's own save: torch.save writes part of the file, then rank 0 dies.
-    (tmp_path / "dying_save.py").write_text(
-        "import os, runpy, signal, sys, torch\n"
-        "def half_a_save(obj, f):\n"
-        "    f.write(b'the first half of a snapshot'); f.flush()\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "torch.save = half_a_save\n"
-        f"sys.path.insert(0, {str(REPO)!r})\n"
-        f"sys.argv[0] = {str(REPO / 'multigpu_torchrun.py')!r}\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", tmp_path / "dying_save.py",
-                  "--total_epochs", "3", *FLAGS], cwd=tmp_path, check=False)
+    killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", PROGRAMS / "dying_save.py",
+                  REPO / "multigpu_torchrun.py", "--total_epochs", "3", *FLAGS], cwd=tmp_path, check=False)
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in killed.stderr, killed.stderr[-3000:]
     assert "Resuming from multigpu_torchrun.pt at epoch 2" in killed.stdout
     assert path.read_bytes() == before, "the old snapshot must be untouched"

@@ -45,6 +45,9 @@ On request, through the environment:
   stop (it SIGSTOPs itself), kill (it SIGKILLs itself), skip (it leaves the layer out, and its collectives),
   backward (it sleeps in the backward of that call: when the gradient of the layer's output has come). It prints
   "rank R: stall HOW" first.
+- DDP_EXAMPLES_PROBE_KILL_IN_SAVE=R:FOLDER: rank R, when DCP writes a file into a folder named FOLDER (a
+  checkpoint's staging folder, epoch_000004.tmp), writes half a file ("half a shard, written by <thread>") and
+  SIGKILLs itself: a real death in the middle of a save, in whichever thread saves.
 - DDP_EXAMPLES_PROBE_REPLICAS=DIR: when the default group is destroyed, each rank saves what it trained with to
   DIR/rank<R>.pt: the weights of the model it wrapped in DDP, and the state of its optimizer (under
   ZeroRedundancyOptimizer, the local optimizer of the rank's shard), so that a test can compare the ranks'
@@ -275,6 +278,21 @@ def hold(module):
         time.sleep(0.05)
 
 
+def patch_kill_in_save(filesystem):
+    rank, folder = os.environ["DDP_EXAMPLES_PROBE_KILL_IN_SAVE"].split(":")
+    write_item = filesystem._write_item
+
+    def dying_write(transforms, stream, *args):
+        if os.environ.get("RANK") == rank and os.path.basename(os.path.dirname(stream.name)) == folder:
+            import threading
+            stream.write(f"half a shard, written by {threading.current_thread().name}".encode())
+            stream.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_item(transforms, stream, *args)
+
+    filesystem._write_item = dying_write
+
+
 PATCHES = {"torch.distributed.distributed_c10d": patch_c10d}
 if os.environ.get("DDP_EXAMPLES_PROBE_WEIGHTS"):
     PATCHES["transformers.trainer"] = patch_trainer
@@ -289,6 +307,8 @@ if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_GPUS"):
     PATCHES["torch"] = patch_torch
 if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_MPS"):
     PATCHES["torch"] = patch_mps
+if os.environ.get("DDP_EXAMPLES_PROBE_KILL_IN_SAVE"):
+    PATCHES["torch.distributed.checkpoint.filesystem"] = patch_kill_in_save
 if os.environ.get("DDP_EXAMPLES_PROBE_STALL"):
     PATCHES["language_model"] = patch_stall
 if os.environ.get("DDP_EXAMPLES_HOLD") and "LOCAL_RANK" in os.environ:

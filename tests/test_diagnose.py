@@ -248,12 +248,12 @@ def test_it_works_with_torch_outside_its_pythons_own_packages(tmp_path):
 
 
 def test_the_private_torch_apis_it_uses_exist():
-    """diagnose/rank.py's PRIVATE_APIS, each found in this torch; a torch upgrade that removes one fails here, by
+    """torchdiagnose/api.py's PRIVATE_APIS, each found in this torch; a torch upgrade that removes one fails here, by
     name (and under the tool, the job says it in one line and runs as without it: test_diagnose_installed.py)."""
-    from torchdiagnose import rank
-    assert rank.missing_api() is None, f"torch {torch.__version__} has no {rank.missing_api()}"
-    documented = (SOURCE / "torchdiagnose" / "rank.py").read_text().split('"""')[1]
-    for name in rank.PRIVATE_APIS:
+    from torchdiagnose import api
+    assert api.missing_api() is None, f"torch {torch.__version__} has no {api.missing_api()}"
+    documented = (SOURCE / "torchdiagnose" / "api.py").read_text().split('"""')[1]
+    for name in api.PRIVATE_APIS:
         assert name.rsplit(".", 1)[-1] in documented, name
 
 

@@ -21,6 +21,7 @@ additions (tests/test_parallelism.py). docs/parallelism.md walks through it.
 """
 import argparse
 import copy
+import functools
 import gc
 import json
 import os
@@ -46,6 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import DataLoader
 
+from context_parallel import CP_ATTENTION, positions, shard_sequence
 from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, check_folder, load_whole_model
 from language_model import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
@@ -56,7 +58,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
              "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
              "dualpipev": ScheduleDualPipeV}
 LOOPED, V_SHAPED = {"interleaved_1f1b", "interleaved_zb"}, {"zbv", "dualpipev"}
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the mesh's dimensions, outermost first
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dimensions, outermost first
 
 
 class Trainer:
@@ -65,6 +67,8 @@ class Trainer:
         self.parts = parts  # this rank's parts of the model (torchtitan's model_parts): all of it, or its stages
         self.optimizers = optimizers  # one a part: get_state_dict names an optimizer's parameters by one module
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        self.cp, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+        self.shards = self.dp * self.cp  # the ranks whose gradients FSDP averages: each holds its own tokens
         pp = mesh["pp"].size()
         indices = stage_indices(mesh["pp"].get_local_rank(), pp, args.schedule)
         self.stages = [PipelineStage(part, index, pp * len(parts), self.device, group=mesh["pp"].get_group())
@@ -130,10 +134,10 @@ class Trainer:
     def loss(self, logits, targets):
         """The last stage's loss of one micro-batch: its tokens' cross-entropy over the step's tokens, so that the
         micro-batches' gradients add up to those of the step's mean (scale_grads=False: the schedule adds them as
-        they are). FSDP averages the data-parallel ranks' gradients: times dp, that is their sum. Under tensor
-        parallelism the logits stay split over the vocabulary (loss_parallel)."""
-        tokens = self.sampler.global_batch * targets.shape[1]
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") * self.dp / tokens
+        they are). FSDP averages the gradients of the dp x cp ranks, each with its own tokens: times dp x cp, that
+        is their sum. Under tensor parallelism the logits stay split over the vocabulary (loss_parallel)."""
+        tokens = self.sampler.global_batch * self.config.max_seq_len  # the whole sequences, all cp ranks' parts
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") * self.shards / tokens
 
     def where(self):
         return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
@@ -191,8 +195,10 @@ class Trainer:
         for source, targets in self.train_data:
             step_size = self.sampler.global_batch
             source, targets = source.to(self.device), targets.to(self.device)
-            loss = self._run_batch(source, targets) * step_size / self.dp  # this part's mean loss a token, times
-            if self.speaks:  # the sequences: one rank of each data-parallel part adds it
+            if self.cp > 1:  # this rank's chunks of each sequence, and of its targets (context_parallel.py)
+                source, targets = (shard_sequence(t, self.cp_rank, self.cp) for t in (source, targets))
+            loss = self._run_batch(source, targets) * step_size / self.shards  # this part's mean loss a token,
+            if self.speaks:  # times the sequences: one rank of each data and context-parallel part adds it
                 loss_sum += loss
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
             if self.log_every and self.steps_done % self.log_every == 0:
@@ -307,6 +313,23 @@ def apply_tp(model, tp_mesh):
         })
 
 
+def apply_cp(model, cp_mesh, seq_len, form):
+    """Context parallelism: each rank holds its chunks of every sequence (context_parallel.shard_sequence); its
+    attention turns the queries and keys by their places in the whole sequence, and attends over every rank's keys
+    and values, by a ring or an all-gather. The rest of the layer works on each token alone: it needs nothing."""
+    attention, group = CP_ATTENTION[form], cp_mesh.get_group()
+    places = positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size(), device_of(cp_mesh))
+    for layer in filter(None, model.layers):
+        layer.self_attn.positions = places
+        layer.self_attn.context_parallel = functools.partial(attention, group=group)
+
+
+def tokens_held(cp_mesh, seq_len):
+    """Which tokens of each sequence this rank holds: two chunks, one early and one late."""
+    c, i, chunks = seq_len // (2 * cp_mesh.size()), cp_mesh.get_local_rank(), 2 * cp_mesh.size()
+    return f"tokens {i * c}-{(i + 1) * c - 1} and {(chunks - 1 - i) * c}-{(chunks - i) * c - 1} of {seq_len}"
+
+
 def settle_grads(parts):
     """The norms' weight gradients come out of backward as partial sums (each tp rank's slice of the sequence), the
     embedding's whole: each to its parameter's layout once, before the optimizer, which would otherwise all-reduce
@@ -345,7 +368,7 @@ def whole_model(state):
             for shapes in ranks for key, shape in shapes.items()}
 
 
-def load_train_objs(args, mesh):
+def load_train_objs(args, mesh, fsdp_mesh):
     train_set = args.train_set
     # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
@@ -360,20 +383,25 @@ def load_train_objs(args, mesh):
         # 2. Tensor parallel over the tp group: heads and hidden units split, norms over the sequence.
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"])
-        # 3. FSDP2 over the data-parallel ranks: each layer sharded on its own, then the rest; with HSDP, sharded
-        # over dp_shard and replicated over dp_replicate (FSDP all-reduces the shards' gradients over the first).
+        # 3. Context parallel over the cp group: each rank attends with its slice of the sequence.
+        if mesh["cp"].size() > 1:
+            apply_cp(part, mesh["cp"], args.config.max_seq_len, args.cp_attention)
+        # 4. FSDP2 over the data-parallel and the context-parallel ranks (torchtitan's dp_shard_cp: both hold the
+        # same weights and train on tokens of their own): each layer sharded on its own, then the rest; with HSDP,
+        # replicated over dp_replicate (FSDP all-reduces the shards' gradients over it).
         # Under a pipeline, a layer's weights stay gathered from its forward to its backward (torchtitan's choice):
         # resharded after each micro-batch's forward, they would be gathered again for every micro-batch.
-        if mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+        if fsdp_mesh.size() > 1:
             for layer in filter(None, part.layers):
-                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
-            fully_shard(part, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+                fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+            fully_shard(part, mesh=fsdp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
         parts.append(part)
         lines.append(f"stage {index}: {holdings(part, names, total)}")
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
                   for part in parts]
     where = " ".join(f"{name} {mesh[name].get_local_rank()}" for name in mesh.mesh_dim_names)
+    if mesh["cp"].size() > 1:
+        where += f" | {tokens_held(mesh['cp'], args.config.max_seq_len)}"
     return train_set, parts, optimizers, " | ".join([where, *lines])
 
 
@@ -402,9 +430,15 @@ def main(args):
                                 world_size=world_size, timeout=timeout, device_id=device if accelerator else None)
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
-    sizes = (args.pp, args.dp_replicate, args.dp // args.dp_replicate, args.tp)
-    mesh = dist.device_mesh.init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
-    dataset, parts, optimizers, holds = load_train_objs(args, mesh)
+    # FSDP shards over dp_shard x cp as one dimension: the mesh is made with it whole, then cut into the two (views
+    # of one mesh, torchtitan's way; _unflatten is private API).
+    dp_shard = args.dp // args.dp_replicate
+    root = dist.device_mesh.init_device_mesh(device.type, (args.pp, args.dp_replicate, dp_shard * args.cp, args.tp),
+                                             mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp", "tp"))
+    mesh = root._unflatten("dp_shard_cp", (dp_shard, args.cp), ("dp_shard", "cp"))
+    shards = "dp_shard_cp" if args.cp > 1 else "dp_shard"  # where cp is 1, the same ranks under their own name
+    fsdp_mesh = (root if args.cp > 1 else mesh)[("dp_replicate", shards) if args.dp_replicate > 1 else shards]
+    dataset, parts, optimizers, holds = load_train_objs(args, mesh, fsdp_mesh)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, holds)
     m = args.microbatches
@@ -423,7 +457,7 @@ def main(args):
     newest = trainer.train(args.total_epochs)
     del trainer, parts, optimizers  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()  # FSDP2's modules sit in reference cycles (hooks hold FSDP's state, which holds the module)
-    mesh._pg_registry.clear()  # torch's caches keep the mesh for good, and it its groups (private: no public way)
+    root._pg_registry.clear()  # torch's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
     if rank == 0 and newest and args.sample:  # the whole decoder, read back from the checkpoint just saved
@@ -440,6 +474,10 @@ def parse_args(argv=None):
     parser.add_argument("--dp_replicate", type=positive_int, default=1, help="HSDP: replicas of the shards, of --dp")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks: each layer split over them")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline ranks")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks: each sequence split over "
+                        "them")
+    parser.add_argument("--cp_attention", choices=list(CP_ATTENTION), default="ring", help="how the cp ranks "
+                        "attend over each other's tokens: keys and values round a ring, or all-gathered")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="default 1f1b")
     parser.add_argument("--microbatches", type=positive_int, help="micro-batches a step (default: the stages)")
     parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences per step over all ranks")
@@ -488,14 +526,17 @@ def parse_args(argv=None):
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     world_size = int(os.environ["WORLD_SIZE"])
-    if args.dp is None and world_size % (args.tp * args.pp) == 0:
-        args.dp = world_size // (args.tp * args.pp)
-    if args.dp is None or args.dp * args.tp * args.pp != world_size:
-        parser.error(f"--dp {args.dp or '?'} x --tp {args.tp} x --pp {args.pp} must be the {world_size} processes "
-                     "torchrun started (WORLD_SIZE)")
+    if args.dp is None and world_size % (args.cp * args.tp * args.pp) == 0:
+        args.dp = world_size // (args.cp * args.tp * args.pp)
+    if args.dp is None or args.dp * args.cp * args.tp * args.pp != world_size:
+        parser.error(f"--dp {args.dp or '?'} x --cp {args.cp} x --tp {args.tp} x --pp {args.pp} must be the "
+                     f"{world_size} processes torchrun started (WORLD_SIZE)")
     if args.dp % args.dp_replicate:
         parser.error(f"--dp_replicate {args.dp_replicate} must divide --dp {args.dp}: dp = dp_replicate x dp_shard")
     check_model(parser, c, args.tp)
+    if c.max_seq_len % (2 * args.cp) or c.max_seq_len // args.cp % args.tp:
+        parser.error(f"--seq_len {c.max_seq_len} must cut into 2 x --cp {args.cp} equal chunks, two a cp rank, and "
+                     f"each cp rank's {c.max_seq_len / args.cp:g} tokens into --tp {args.tp} equal slices")
     stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
     args.microbatches = args.microbatches or stages  # default: a micro-batch a stage
     if stages > c.n_layers:

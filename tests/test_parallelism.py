@@ -157,10 +157,11 @@ MATRIX = [
     (P, 4, ("--tp", "2", "--schedule", "interleaved_1f1b"), "pp 2 x tp 2"),
     (P, 4, ("--schedule", "gpipe"), "pp 4 x tp 1"),
     (T, 2, (), "tp 2"),
-    (N, 4, ("--dp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x tp 2"),
-    (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x tp 1"),
+    (N, 4, ("--dp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2"),
+    (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1"),
     (P, 2, ("--schedule", "zbv"), "pp 2 x tp 1"),
-    (N, 4, ("--pp", "2", "--tp", "2", "--schedule", "interleaved_zb"), "pp 2 x dp_replicate 1 x dp_shard 1 x tp 2"),
+    (N, 4, ("--pp", "2", "--tp", "2", "--schedule", "interleaved_zb"),
+     "pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2"),
     (T, 1, (), "tp 1"),
 ]
 
@@ -283,7 +284,7 @@ CHAIN = [(2, 2, 2), (2, 2, 1), (1, 4, 1), (4, 1, 1), (1, 1, 1), (2, 2, 2)]  # dp
 
 
 def layout(dp, tp, pp):
-    return f"pp {pp} x dp_replicate 1 x dp_shard {dp} x tp {tp}"
+    return f"pp {pp} x dp_replicate 1 x dp_shard {dp} x cp 1 x tp {tp}"
 
 
 @pytest.fixture(scope="module")
@@ -303,10 +304,10 @@ def chain(tmp_path_factory):
 @pytest.mark.slow
 def test_3d_parallel_on_8_processes_places_every_rank_on_the_mesh_and_trains_as_one_process(chain, reference):
     out, state = chain[0]
-    assert ("Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 8 sequences a data-parallel rank in 2 micro-batches | "
-            "global batch 16 | schedule 1f1b") in out, out[-3000:]
+    assert ("Mesh pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 | 8 sequences a data-parallel rank in 2 "
+            "micro-batches | global batch 16 | schedule 1f1b") in out, out[-3000:]
     total = sum(p.numel() for p in Decoder(CONFIG).parameters())
-    ranks = re.findall(rf"^Rank (\d) \| pp (\d) dp_replicate 0 dp_shard (\d) tp (\d) \| stage (\d): ([^|]+) \| "
+    ranks = re.findall(rf"^Rank (\d) \| pp (\d) dp_replicate 0 dp_shard (\d) cp 0 tp (\d) \| stage (\d): ([^|]+) \| "
                        rf"([\d,]+) of {total:,} parameters \| layers\.(\d)\.self_attn\.q_proj\.weight \[8, 32\] of "
                        r"\[32, 32\]$", out, re.M)
     assert len(ranks) == 8, out[-3000:]
@@ -332,6 +333,85 @@ def test_a_run_resumed_in_every_layout_and_back_trains_as_one_uninterrupted_proc
         assert f"Mesh {layout(*CHAIN[epoch])} |" in out, (what, out[-3000:])
         assert_losses_match(out, reference, [epoch], what)
         assert_matches_reference(state, reference, epoch + 1, what)
+
+
+# ---- context and expert parallelism: each sequence split over cp ranks, the experts over ep ranks ----
+
+# The layers' outputs and gradients (of order 1) against one process's, float64: measured <= 3e-15 (attention),
+# 0 (the experts' outputs and gradients, the same additions), 3e-14 (the router's gradient, summed over ranks).
+LAYER_TOL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def parallel_layers(tmp_path_factory):
+    """tests/support/parallel_layers_check.py on 4 processes: context_parallel.py's attention at cp 2 and 4, each
+    rank against one process's, computed on every rank from the same seeded tensors."""
+    return launch(REPO / "tests" / "support" / "parallel_layers_check.py", nproc=4,
+                  cwd=tmp_path_factory.mktemp("layers"))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("form", ["ring", "allgather"])
+def test_context_parallel_attention_is_one_process_sdpa_forward_and_backward(parallel_layers, cp, form):
+    found = re.search(rf"^cp {cp} {form} \| forward (\S+) \| dq (\S+) \| dk (\S+) \| dv (\S+)$", parallel_layers,
+                      re.M)
+    assert found, parallel_layers[-3000:]
+    errors = [float(error) for error in found.groups()]
+    assert all(error <= LAYER_TOL for error in errors), (cp, form, errors)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_dispatch_is_one_process_moe_forward_and_backward(parallel_layers, ep):
+    found = re.search(rf"^ep {ep} \| forward (\S+) \| dx (\S+) \| drouter (\S+) \| dexperts (\S+) \| tokens per "
+                      r"expert ([\d ]+)$", parallel_layers, re.M)
+    assert found, parallel_layers[-3000:]
+    errors = [float(error) for error in found.groups()[:4]]
+    assert all(error <= LAYER_TOL for error in errors), (ep, errors)
+    routed = [int(count) for count in found.group(5).split()]
+    assert len(routed) == 8 and sum(routed) == 2 * ep * 16 * 2, routed  # every token to 2 of 8 experts: dropless
+
+
+# nd_parallel.py with --cp, an epoch a launch, each resumed from the one before: FSDP x CP x TP on 8 processes (the
+# ring), CP 4 alone (all-gathered keys and values), a pipeline of CP 2 stages.
+CP_CHAIN = [(8, ("--dp", "2", "--cp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 2"),
+            (4, ("--cp", "4", "--cp_attention", "allgather"), "pp 1 x dp_replicate 1 x dp_shard 1 x cp 4 x tp 1"),
+            (4, ("--pp", "2", "--cp", "2"), "pp 2 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1")]
+
+
+@pytest.fixture(scope="module")
+def cp_chain(tmp_path_factory):
+    directory, states = tmp_path_factory.mktemp("cp-chain"), tmp_path_factory.mktemp("cp-chain-states")
+    (directory / "text.txt").write_text(the_text())
+    found = []
+    for epoch, (nproc, flags, _) in enumerate(CP_CHAIN):
+        out = launch(N, "--total_epochs", epoch + 1, *flags, *F64, nproc=nproc, cwd=directory)
+        found.append((out, full_state(newest(directory / "checkpoints"), states)))
+    return found
+
+
+def test_context_parallel_places_cp_inside_tp_and_gives_each_rank_an_early_and_a_late_chunk(cp_chain):
+    out = cp_chain[0][0]
+    ranks = re.findall(r"^Rank (\d) \| pp 0 dp_replicate 0 dp_shard (\d) cp (\d) tp (\d) \| tokens (\d+)-(\d+) and "
+                       r"(\d+)-(\d+) of 16 \| stage 0:", out, re.M)
+    assert len(ranks) == 8, out[-3000:]
+    for rank, dp, cp, tp, *tokens in ranks:
+        assert int(rank) == (int(dp) * 2 + int(cp)) * 2 + int(tp), ranks  # tp innermost, then cp, then dp_shard
+        chunks = [(0, 3, 12, 15), (4, 7, 8, 11)][int(cp)]  # 4 chunks of 4 tokens: cp rank i holds i and 3 - i
+        assert tuple(map(int, tokens)) == chunks, ranks
+
+
+def test_a_run_resumed_across_cp_layouts_trains_as_one_uninterrupted_process(cp_chain, reference):
+    """FSDP 2 x CP 2 x TP 2 (ring) -> CP 4 (all-gather) -> PP 2 x CP 2 (ring), an epoch each: every epoch's loss
+    and every checkpoint's weights and first moment are one process's, within the tolerance."""
+    for epoch, (out, state) in enumerate(cp_chain):
+        nproc, _, mesh = CP_CHAIN[epoch]
+        assert f"Mesh {mesh} |" in out, (mesh, out[-3000:])
+        if epoch:
+            before, processes = CP_CHAIN[epoch - 1][2], CP_CHAIN[epoch - 1][0]
+            assert (f"Resuming from checkpoints/epoch_{epoch:06d} at epoch {epoch}, saved as {before} on {processes} "
+                    "process") in out, (mesh, out[-3000:])
+        assert_losses_match(out, reference, [epoch], mesh)
+        assert_matches_reference(state, reference, epoch + 1, mesh)
 
 
 # ---- Hugging Face in and out ----

@@ -166,6 +166,7 @@ class MoE(nn.Module):
         self.dispatch = self.sequence_group = None
         self.balance_scale = None  # the loss's weight a sequence; None: the mean over this batch's sequences
         self.routed = torch.zeros(config.n_experts, dtype=torch.long)  # tokens each expert got, since reset
+        self.counting = True
 
     def forward(self, x):
         batch, seq, dim = x.shape
@@ -175,7 +176,8 @@ class MoE(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         experts = scores.shape[-1]
         counts = torch.bincount(chosen.flatten(), minlength=experts)
-        self.routed += counts.cpu()
+        if self.counting:
+            self.routed += counts.cpu()
         order = chosen.flatten().argsort(stable=True)  # the (token, choice) pairs grouped by expert
         routed = tokens[order // self.top_k]
         out = self.experts(routed, counts) if self.dispatch is None else self.dispatch(self.experts, routed, counts)

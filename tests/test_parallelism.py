@@ -19,6 +19,7 @@ AdamW's first moment stay within WEIGHT_TOL = 1e-10 of one process's (measured: 
 while a wrong batch, a lost shard or a gradient scaled by dp is off by more than 1e-4. The printed epoch losses
 have 6 decimals: LOSS_TOL = 1e-6.
 """
+import functools
 import json
 import re
 import shutil
@@ -51,11 +52,12 @@ def the_text():
     return read_text()[0][:TEXT_CHARS]
 
 
-def reference_run(epochs, initial=None, seed=0):
-    """One process, no torch.distributed: [(epoch loss a token, weights, AdamW's exp_avg) after each epoch]."""
-    dataset, _ = text_splits(the_text(), CONFIG.max_seq_len)
+def reference_run(epochs, initial=None, seed=0, config=CONFIG):
+    """One process, no torch.distributed: [(epoch loss a token, weights, AdamW's exp_avg) after each epoch]. With
+    experts, each MoE layer adds its balance loss's gradient itself (its mean over the batch's sequences)."""
+    dataset, _ = text_splits(the_text(), config.max_seq_len)
     size = len(dataset) // GLOBAL_BATCH * GLOBAL_BATCH  # whole steps, as the scripts train
-    model = Decoder(CONFIG).init_weights(seed).double()
+    model = Decoder(config).init_weights(seed).double()
     if initial is not None:
         model.load_state_dict(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -101,7 +103,7 @@ def full_state(checkpoint, tmp_path):
     return torch.load(out, weights_only=True)
 
 
-def assert_matches_reference(state, reference, epochs, what):
+def assert_matches_reference(state, reference, epochs, what, config=CONFIG):
     """A checkpoint's weights and AdamW's first moment against one process's after `epochs` epochs."""
     _, weights, moment = reference[epochs - 1]
     assert state["model"].keys() == weights.keys(), (what, sorted(state["model"]))
@@ -111,7 +113,7 @@ def assert_matches_reference(state, reference, epochs, what):
         assert difference <= WEIGHT_TOL, f"{what}: {name} differs from one process's by {difference}"
         difference = (state["optimizer"][f"state.{name}.exp_avg"] - moment[name]).abs().max().item()
         assert difference <= WEIGHT_TOL, f"{what}: {name}'s exp_avg differs from one process's by {difference}"
-    initial = Decoder(CONFIG).init_weights(0).state_dict()
+    initial = Decoder(config).init_weights(0).state_dict()
     assert any((initial[n].double() - w).abs().max() > 1e-3 for n, w in weights.items()), "it must have trained"
 
 
@@ -378,13 +380,23 @@ CP_CHAIN = [(8, ("--dp", "2", "--cp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 
             (4, ("--pp", "2", "--cp", "2"), "pp 2 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1")]
 
 
+CHECKER = REPO / "tests" / "support" / "contiguous_collectives.py"
+
+
+def launch_checked(*args, nproc, cwd):
+    """A launch of nd_parallel.py whose collectives stop it on a tensor that is not contiguous (CHECKER)."""
+    return launch(CHECKER, REPO / N, *args, nproc=nproc, cwd=cwd)
+
+
 @pytest.fixture(scope="module")
 def cp_chain(tmp_path_factory):
+    """CP_CHAIN, each launch resumed from the one before; the all-gather's launch checks its collectives' tensors."""
     directory, states = tmp_path_factory.mktemp("cp-chain"), tmp_path_factory.mktemp("cp-chain-states")
     (directory / "text.txt").write_text(the_text())
     found = []
     for epoch, (nproc, flags, _) in enumerate(CP_CHAIN):
-        out = launch(N, "--total_epochs", epoch + 1, *flags, *F64, nproc=nproc, cwd=directory)
+        start_ = launch_checked if epoch == 1 else functools.partial(launch, N)
+        out = start_("--total_epochs", epoch + 1, *flags, *F64, nproc=nproc, cwd=directory)
         found.append((out, full_state(newest(directory / "checkpoints"), states)))
     return found
 
@@ -412,6 +424,73 @@ def test_a_run_resumed_across_cp_layouts_trains_as_one_uninterrupted_process(cp_
                     "process") in out, (mesh, out[-3000:])
         assert_losses_match(out, reference, [epoch], mesh)
         assert_matches_reference(state, reference, epoch + 1, mesh)
+
+
+# nd_parallel.py with --n_experts 4 (top 2), an epoch a launch, each resumed from the one before: FSDP x CP x EP,
+# then a pipeline of them on 8 processes (all-gathered keys and values), HSDP x EP, and FSDP with every expert on
+# every rank.
+MOE_CONFIG = DecoderConfig(dim=32, n_layers=4, n_heads=8, n_kv_heads=4, hidden=64, max_seq_len=16, n_experts=4)
+EP_CHAIN = [(4, ("--dp", "2", "--cp", "2", "--ep", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 | ep 2"),
+            (8, ("--pp", "2", "--dp", "2", "--cp", "2", "--ep", "4", "--cp_attention", "allgather"),
+             "pp 2 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 | ep 4"),
+            (4, ("--dp", "4", "--dp_replicate", "2", "--ep", "2"),
+             "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 | ep 2"),
+            (2, ("--dp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1")]
+
+
+@pytest.fixture(scope="module")
+def ep_chain(tmp_path_factory):
+    """EP_CHAIN, each launch resumed from the one before; the first (the ring, the all-to-all) checks its
+    collectives' tensors."""
+    directory, states = tmp_path_factory.mktemp("ep-chain"), tmp_path_factory.mktemp("ep-chain-states")
+    (directory / "text.txt").write_text(the_text())
+    found = []
+    for epoch, (nproc, flags, _) in enumerate(EP_CHAIN):
+        start_ = launch_checked if epoch == 0 else functools.partial(launch, N)
+        out = start_("--total_epochs", epoch + 1, "--n_experts", "4", *flags, *F64, nproc=nproc, cwd=directory)
+        found.append((out, full_state(newest(directory / "checkpoints"), states)))
+    return found
+
+
+def test_a_mixture_of_experts_resumed_across_ep_and_cp_layouts_trains_as_one_uninterrupted_process(ep_chain):
+    """The four launches of EP_CHAIN, an epoch each: every epoch's loss and every checkpoint's weights (the experts
+    at their full shapes, [4, 64, 32]) and first moment are one process's, within the tolerance; each epoch prints
+    the tokens each expert of each layer got, every token to 2 of the 4."""
+    reference = single_threaded(lambda: reference_run(len(EP_CHAIN), config=MOE_CONFIG))
+    for epoch, (out, state) in enumerate(ep_chain):
+        nproc, _, mesh = EP_CHAIN[epoch]
+        assert f"Mesh {mesh} |" in out, (mesh, out[-3000:])
+        if epoch:
+            before, processes = EP_CHAIN[epoch - 1][2], EP_CHAIN[epoch - 1][0]
+            assert (f"Resuming from checkpoints/epoch_{epoch:06d} at epoch {epoch}, saved as {before} on {processes} "
+                    "process") in out, (mesh, out[-3000:])
+        assert_losses_match(out, reference, [epoch], mesh)
+        assert_matches_reference(state, reference, epoch + 1, mesh, config=MOE_CONFIG)
+        assert list(state["model"]["layers.0.mlp.experts.gate_proj"].shape) == [4, 64, 32]
+        routing = re.search(r"^Tokens per expert \| (.*)$", out, re.M)
+        assert routing, out[-3000:]
+        layers = [part.split() for part in routing.group(1).split(" | ")]
+        assert [layer[0] for layer in layers] == [f"layers.{i}" for i in range(4)], routing.group(0)
+        for layer in layers:  # 4 steps of 16 sequences of 16 tokens, each token to 2 experts
+            assert len(layer) == 5 and sum(map(int, layer[1:])) == 4 * 16 * 16 * 2, routing.group(0)
+
+
+def test_no_tensor_reaches_a_collective_non_contiguous(cp_chain, ep_chain):
+    """gloo sends a view's storage, not its elements, in scatter and in torch.distributed.nn's all_gather backward
+    (pytorch#192920): wrong values, no error. Two launches ran under CHECKER: the all-gathered attention at cp 4,
+    and the ring with the experts' all-to-all at dp 2 x cp 2 x ep 2, forward, backward, FSDP2 and DCP; every call
+    of every rank took contiguous tensors (else it stopped), and the checker did check (the counts)."""
+    for out, nproc in ((cp_chain[1][0], CP_CHAIN[1][0]), (ep_chain[0][0], EP_CHAIN[0][0])):
+        counts = dict(re.findall(r"^contiguity checked: rank (\d), (\d+) calls$", out, re.M))
+        assert sorted(counts) == [str(rank) for rank in range(nproc)], out[-3000:]
+        assert all(int(count) > 100 for count in counts.values()), counts
+    from support.contiguous_collectives import checking
+    calls = []
+    check = checking("all_reduce", lambda *tensors: calls.append(tensors))
+    check(torch.ones(4, 2))
+    with pytest.raises(AssertionError, match=r"non-contiguous tensor to torch.distributed.all_reduce: shape \[2, 4\]"):
+        check(torch.ones(4, 2).t())
+    assert len(calls) == 1, "the view never reached the collective"
 
 
 # ---- Hugging Face in and out ----
@@ -469,6 +548,13 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
         (T, ("--data", "nowhere.txt"), 1, "--data nowhere.txt: not a UTF-8 text file this can read ([Errno 2]"),
         (P, ("--data", "short.txt"), 1, "short.txt, 10 characters makes 0 sequences of 64 bytes to train on, "
                                         "fewer than --global_batch_size 16"),
+        (N, ("--cp", "3"), 2, "--dp ? x --cp 3 x --tp 1 x --pp 1 must be the 2 processes torchrun started"),
+        (N, ("--cp", "2", "--seq_len", "18"), 2, "--seq_len 18 must cut into 2 x --cp 2 equal chunks, two a cp rank"),
+        (N, ("--ep", "2"), 2, "--ep 2 splits the experts, and there are none: give --n_experts"),
+        (N, ("--ep", "2", "--n_experts", "3"), 2, "--ep 2 must divide --n_experts 3"),
+        (N, ("--ep", "2", "--n_experts", "4", "--pp", "2"), 2, "--ep 2 must divide the 1 ranks of dp_shard x cp"),
+        (N, ("--n_experts", "4", "--tp", "2"), 2, "--n_experts with --tp: this step splits the experts over ep"),
+        (N, ("--n_experts", "4", "--top_k", "5"), 1, "--top_k 5 of --n_experts 4"),
     ]
     (tmp_path / "short.txt").write_text("tiny text\n")
     jobs = [start(torchrun_cmd(script, *args, nproc=nproc), cwd=tmp_path, env=clean_env(**ENV), merge_output=False)

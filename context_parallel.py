@@ -12,6 +12,11 @@ and autograd differentiates them:
 - allgather_attention: every rank gathers all keys and values (Llama 3's way, small next to the queries under
   grouped-query attention) and masks by the tokens' positions.
 
+Their cost: autograd keeps each block's scores, (seq / cp) x seq a head on every rank, 1/cp of one process's
+plain attention, but more than a flash kernel keeps (none; SDPA on one process, torch's own ring on CUDA). A
+flash-style version would run each block through SDPA and recompute in an explicit backward from the merged
+output and log-sum-exp.
+
 The sequence is laid out as torchtitan's load balancer does: cut into 2 cp chunks, rank i holds chunks i and
 2cp-1-i. Under the causal mask an early chunk sees few keys and a late one many: one of each, every rank does the
 same work.

@@ -537,7 +537,7 @@ def test_a_checkpoint_transformers_wrote_trains_on_in_a_split_layout(tmp_path, r
 
 def test_bad_sizes_are_one_line_before_any_work(tmp_path):
     cases = [  # script, arguments, processes, what the line says
-        (N, ("--dp", "2", "--tp", "2"), 2, "--dp 2 x --tp 2 x --pp 1 must be the 2 processes"),
+        (N, ("--dp", "2", "--tp", "2"), 2, "--dp 2 x --cp 1 x --tp 2 x --pp 1 must be the 2 processes"),
         (N, ("--tp", "2", "--n_kv_heads", "1"), 2, "tp 2 does not divide --n_kv_heads (1)"),
         (T, ("--n_heads", "3", "--n_kv_heads", "3", "--dim", "96"), 2, "tp 2 does not divide --n_heads (3)"),
         (T, ("--seq_len", "127",), 2, "tp 2 does not divide --seq_len (127)"),

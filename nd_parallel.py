@@ -12,7 +12,7 @@ shards (HSDP). With --n_experts each MLP is a mixture of experts, split over ep 
 (expert_parallel.py). An axis of size 1 is left out. It prints where each rank sits and what it holds, the loss,
 the tokens each expert got, each rank's idle time beside its schedule's bubble, and a sample:
 
-    Mesh pp 1 x dp_replicate 2 x dp_shard 2 x tp 1 | 4 sequences a data-parallel rank in 1 micro-batch | ...
+    Mesh pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 | 4 sequences a data-parallel rank in 1 micro-batch | ...
     Epoch 0 | Batchsize 4 | Steps 513 | Loss 2.302626 per token
     Rank 0 | stage 0 | idle 34.0% of a step, measured | bubble (p-1)/(m+p-1) = 0.0%, textbook
     Sample: "The sher should I which king him.\n\nHith alst shall witclan, and wher. O my had some ..."

@@ -99,11 +99,11 @@ class Trainer:
         self.rank = dist.get_rank()
         self.busy, self.step_times = [0.0], []  # this rank's compute seconds; (busy, wall) of each step
         self.bubble = bubble(args.schedule, pp, args.microbatches)
-        for stage in self.stages:  # the routing of the schedule's forwards, not of a stage's shape inference
-            stage.forward_one_chunk = self.counted(stage.forward_one_chunk)
         for stage in self.stages:  # what the schedule calls for each micro-batch
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self.timed(getattr(stage, name)))
+        for stage in self.stages:  # the routing of the schedule's forwards, not of a stage's shape inference
+            stage.forward_one_chunk = self.counted(stage.forward_one_chunk)
         self.checkpoints = CheckpointDir(self.snapshot_path, log=self.log, skip_damaged=args.skip_damaged)
         # Complete checkpoints only, their files checked against their sums, made with this model, data and batch.
         where, path = self.checkpoints.newest(self.where())

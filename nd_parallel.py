@@ -626,7 +626,9 @@ def parse_args(argv=None):
     if args.dp % args.dp_replicate:
         parser.error(f"--dp_replicate {args.dp_replicate} must divide --dp {args.dp}: dp = dp_replicate x dp_shard")
     check_model(parser, c, args.tp)
-    if args.n_experts < 0 or (args.n_experts and args.top_k > args.n_experts):
+    if args.n_experts < 0:
+        parser.error(f"--n_experts {args.n_experts}: 0 (the dense MLP) or more experts")
+    if args.n_experts and args.top_k > args.n_experts:
         parser.error(f"--top_k {args.top_k} of --n_experts {args.n_experts}: a token goes to top_k of the experts")
     if args.ep > 1 and not args.n_experts:
         parser.error(f"--ep {args.ep} splits the experts, and there are none: give --n_experts")

@@ -564,6 +564,7 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
         (N, ("--ep", "2", "--n_experts", "4", "--pp", "2"), 2, "--ep 2 must divide the 1 ranks of dp_shard x cp"),
         (N, ("--n_experts", "4", "--tp", "2"), 2, "--n_experts with --tp: this step splits the experts over ep"),
         (N, ("--n_experts", "4", "--top_k", "5"), 1, "--top_k 5 of --n_experts 4"),
+        (N, ("--n_experts", "-2"), 1, "--n_experts -2: 0 (the dense MLP) or more experts"),
         (N, ("--n_experts", "4", "--init_from_hf", "llama"), 1, "--init_from_hf starts from a Llama, whose MLPs are"),
     ]
     (tmp_path / "short.txt").write_text("tiny text\n")

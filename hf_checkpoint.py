@@ -33,6 +33,9 @@ def export(checkpoint, out):
     with open(os.path.join(checkpoint, MARKER)) as f:
         where = json.load(f)
     config = DecoderConfig(**where["model"])
+    if config.n_experts:
+        sys.exit(f"error: {checkpoint} holds a mixture of {config.n_experts} experts a layer: a Llama's MLPs are "
+                 "dense, and this script writes a Llama")
     model = Decoder(config)
     dtype = dcp_dtype(checkpoint)
     load_whole_model(model.to(dtype), checkpoint)

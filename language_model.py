@@ -25,6 +25,9 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     max_seq_len: int = 2048  # the longest sequence the rotary positions are meant for (Hugging Face's config wants it)
+    n_experts: int = 0  # a mixture of this many SwiGLU experts in place of each MLP; 0: the dense MLP (Llama's)
+    top_k: int = 2  # the experts each token goes to
+    balance_weight: float = 0.01  # of the load-balancing loss, added to the gradients (MoE.forward)
 
     def hf_config(self):
         """The same model as transformers' LlamaConfig(**this)."""
@@ -63,19 +66,23 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def rotary(x, theta):
+def rotary(x, theta, positions=None):
     """Rotary positions (RoPE) of x [batch, heads, seq, head_dim], Hugging Face's layout: each feature of the first
-    half turns with its partner in the second half, by an angle that grows with the position."""
+    half turns with its partner in the second half, by an angle that grows with the position. positions: each
+    token's place in the whole sequence (context parallelism's slice of it), default 0, 1, 2, ..."""
     half = x.shape[-1] // 2
     frequencies = 1.0 / theta ** (torch.arange(half, device=x.device, dtype=x.dtype) / half)
-    angles = torch.arange(x.shape[-2], device=x.device, dtype=x.dtype)[:, None] * frequencies
+    positions = torch.arange(x.shape[-2], device=x.device) if positions is None else positions
+    angles = positions.to(x.dtype)[:, None] * frequencies
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions. Heads are counted from the projections' outputs
-    (view(..., -1, head_dim)): under tensor parallelism a rank's q_proj, k_proj and v_proj give its own heads."""
+    (view(..., -1, head_dim)): under tensor parallelism a rank's q_proj, k_proj and v_proj give its own heads.
+    Context parallelism (nd_parallel.py) sets `positions` to its tokens' places and `context_parallel` to attention
+    across the ranks' slices of the sequence."""
 
     def __init__(self, config):
         super().__init__()
@@ -84,13 +91,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.positions = self.context_parallel = None  # the whole sequence here
 
     def forward(self, x):
         batch, seq = x.shape[:2]
         q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = rotary(q, self.theta), rotary(k, self.theta)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        q, k = rotary(q, self.theta, self.positions), rotary(k, self.theta, self.positions)
+        if self.context_parallel is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = self.context_parallel(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -105,13 +116,91 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedExperts(nn.Module):
+    """n SwiGLU experts, their weights stacked [expert, out, in]. Under expert parallelism (nd_parallel.py) the
+    weights are DTensors split over the experts: each rank runs its own experts on the tokens sent to them."""
+
+    def __init__(self, n, dim, hidden):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n, hidden, dim))
+        self.up_proj = nn.Parameter(torch.empty(n, hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
+
+    def forward(self, x, counts):
+        """x: tokens grouped by expert, counts[e] of them for this module's expert e, in order."""
+        weights = [w.to_local() if hasattr(w, "to_local") else w  # a DTensor: this rank's experts
+                   for w in (self.gate_proj, self.up_proj, self.down_proj)]
+        out = [F.linear(F.silu(F.linear(chunk, gate)) * F.linear(chunk, up), down)
+               for chunk, gate, up, down in zip(x.split(counts.tolist()), *weights)]
+        return torch.cat(out)
+
+
+class BalanceLoss(torch.autograd.Function):
+    """Returns x as it is; backward, adds the gradient of `loss` times `scale`: the load-balancing loss trains the
+    router without travelling with the output (through a pipeline, say) to the training loss (Megatron's
+    MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale):
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=grad.dtype, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """A mixture of experts (top-k, dropless: every token reaches its k experts, however many choose one). The
+    router scores each token for every expert; the token goes to its k best, and their outputs are summed with the
+    scores as weights (renormalized over the k). A load-balancing loss (DeepSeek-V3's sequence-wise one: for each
+    sequence, experts times the sum over experts of the fraction of its tokens each expert got times its mean
+    score) pushes the router to spread the tokens. `dispatch` (expert parallelism) sends the tokens to the ranks
+    that hold their experts and back; `sequence_group` (context parallelism) holds the rest of each sequence."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.balance_weight = config.top_k, config.balance_weight
+        self.router = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.experts = GroupedExperts(config.n_experts, config.dim, config.hidden)
+        self.dispatch = self.sequence_group = None
+        self.balance_scale = None  # the loss's weight a sequence; None: the mean over this batch's sequences
+        self.routed = torch.zeros(config.n_experts, dtype=torch.long)  # tokens each expert got, since reset
+        self.counting = True
+
+    def forward(self, x):
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        scores = self.router(tokens).softmax(-1)
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        experts = scores.shape[-1]
+        counts = torch.bincount(chosen.flatten(), minlength=experts)
+        if self.counting:
+            self.routed += counts.cpu()
+        order = chosen.flatten().argsort(stable=True)  # the (token, choice) pairs grouped by expert
+        routed = tokens[order // self.top_k]
+        out = self.experts(routed, counts) if self.dispatch is None else self.dispatch(self.experts, routed, counts)
+        out = torch.zeros_like(tokens).index_add(0, order // self.top_k, out * weights.flatten()[order, None])
+        # The balance loss of each sequence, from its counts (all of its tokens': context parallelism sums them).
+        per_sequence = F.one_hot(chosen, experts).sum(1).view(batch, seq, experts).sum(1)
+        if self.sequence_group is not None:
+            torch.distributed.all_reduce(per_sequence, group=self.sequence_group)
+            seq *= torch.distributed.get_world_size(self.sequence_group)
+        fraction = per_sequence.to(x.dtype) * experts / (self.top_k * seq)  # 1 for each expert when balanced
+        mean_score = scores.view(batch, -1, experts).sum(1) / seq  # of this rank's tokens: a part of the sum
+        loss = self.balance_weight * (fraction * mean_score).sum()
+        scale = 1 / batch if self.balance_scale is None else self.balance_scale
+        return BalanceLoss.apply(out.view(batch, -1, dim), loss, scale)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SwiGLU(config.dim, config.hidden)
+        self.mlp = MoE(config) if config.n_experts else SwiGLU(config.dim, config.hidden)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -142,7 +231,7 @@ class Decoder(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                deep = name.endswith(("o_proj.weight", "down_proj.weight"))
+                deep = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
                 std = 0.02 / math.sqrt(2 * self.config.n_layers) if deep else 0.02
                 if not name.endswith("norm.weight"):  # the norms keep their ones, and draw nothing
                     p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * std)

@@ -1,14 +1,18 @@
-"""Step 8: data, tensor and pipeline parallelism at once, on one DeviceMesh with named dimensions.
+"""Step 8: data, tensor, pipeline, context and expert parallelism at once, on one DeviceMesh with named dimensions.
 
     torchrun --standalone --nproc_per_node=8 nd_parallel.py --dp 2 --tp 2 --pp 2          # 3-D
     torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 4 --dp_replicate 2        # HSDP 2 x 2
+    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp 2 --cp 2 --seq_len 256    # long sequences
+    torchrun --standalone --nproc_per_node=4 nd_parallel.py --n_experts 8 --ep 4          # a mixture of experts
 
-The mesh is pp x dp_replicate x dp_shard x tp, tp innermost (its ranks neighbours, on one machine). Each rank runs
-its stages (pipeline_parallel.py), split over tp (tensor_parallel.py), then sharded by FSDP2 over dp_shard
-(fsdp.py), with --dp_replicate R copies of the shards (HSDP). An axis of size 1 is left out. It prints where each
-rank sits and what it holds, the loss, each rank's idle time beside its schedule's bubble, and a sample:
+The mesh is pp x dp_replicate x dp_shard x cp x tp, tp innermost (its ranks neighbours, on one machine). Each rank
+runs its stages (pipeline_parallel.py), split over tp (tensor_parallel.py), its chunks of each sequence over cp
+(context_parallel.py), then sharded by FSDP2 over dp_shard x cp (fsdp.py), with --dp_replicate R copies of the
+shards (HSDP). With --n_experts each MLP is a mixture of experts, split over ep ranks of dp_shard x cp
+(expert_parallel.py). An axis of size 1 is left out. It prints where each rank sits and what it holds, the loss,
+the tokens each expert got, each rank's idle time beside its schedule's bubble, and a sample:
 
-    Mesh pp 1 x dp_replicate 2 x dp_shard 2 x tp 1 | 4 sequences a data-parallel rank in 1 micro-batch | ...
+    Mesh pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 | 4 sequences a data-parallel rank in 1 micro-batch | ...
     Epoch 0 | Batchsize 4 | Steps 513 | Loss 2.302626 per token
     Rank 0 | stage 0 | idle 34.0% of a step, measured | bubble (p-1)/(m+p-1) = 0.0%, textbook
     Sample: "The sher should I which king him.\n\nHith alst shall witclan, and wher. O my had some ..."
@@ -21,6 +25,7 @@ additions (tests/test_parallelism.py). docs/parallelism.md walks through it.
 """
 import argparse
 import copy
+import functools
 import gc
 import json
 import os
@@ -34,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.nn  # before any process group: docs/failures.md, clean exits
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -46,8 +52,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import DataLoader
 
+from context_parallel import CP_ATTENTION, positions, shard_sequence
+from expert_parallel import dispatch
 from fsdp_checkpoint import CheckpointDir, GlobalOrderSampler, check_folder, load_whole_model
-from language_model import Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
+from language_model import MoE, Decoder, DecoderConfig, hf_name, read_text, sample, text_splits
 
 # Optimizer state flattened (one key per parameter): each stage saves and loads its own part of the model's state.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -56,7 +64,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
              "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
              "dualpipev": ScheduleDualPipeV}
 LOOPED, V_SHAPED = {"interleaved_1f1b", "interleaved_zb"}, {"zbv", "dualpipev"}
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the mesh's dimensions, outermost first
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dimensions, outermost first
 
 
 class Trainer:
@@ -65,6 +73,8 @@ class Trainer:
         self.parts = parts  # this rank's parts of the model (torchtitan's model_parts): all of it, or its stages
         self.optimizers = optimizers  # one a part: get_state_dict names an optimizer's parameters by one module
         self.dp = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        self.cp, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+        self.shards = self.dp * self.cp  # the ranks whose gradients FSDP averages: each holds its own tokens
         pp = mesh["pp"].size()
         indices = stage_indices(mesh["pp"].get_local_rank(), pp, args.schedule)
         self.stages = [PipelineStage(part, index, pp * len(parts), self.device, group=mesh["pp"].get_group())
@@ -79,7 +89,12 @@ class Trainer:
         self.sampler = train_data.sampler
         self.save_every, self.log_every = args.save_every, args.log_every
         self.position, self.steps_done = 0, 0
-        self.snapshot_path, self.layout, self.config = args.snapshot_path, layout_of(mesh), args.config
+        self.snapshot_path, self.config = args.snapshot_path, args.config
+        self.layout = args.layout
+        self.moe = {name: module for part in parts for name, module in part.named_modules() if isinstance(module, MoE)}
+        self.ep = args.ep
+        for moe in self.moe.values():  # its balance loss counted as the training loss is (Trainer.loss)
+            moe.balance_scale, moe.counting = self.shards / args.global_batch_size, False
         self.epochs_run = 0
         self.rank = dist.get_rank()
         self.busy, self.step_times = [0.0], []  # this rank's compute seconds; (busy, wall) of each step
@@ -87,6 +102,8 @@ class Trainer:
         for stage in self.stages:  # what the schedule calls for each micro-batch
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self.timed(getattr(stage, name)))
+        for stage in self.stages:  # the routing of the schedule's forwards, not of a stage's shape inference
+            stage.forward_one_chunk = self.counted(stage.forward_one_chunk)
         self.checkpoints = CheckpointDir(self.snapshot_path, log=self.log, skip_damaged=args.skip_damaged)
         # Complete checkpoints only, their files checked against their sums, made with this model, data and batch.
         where, path = self.checkpoints.newest(self.where())
@@ -123,6 +140,28 @@ class Trainer:
                 self.busy[0] += time.perf_counter() - start
         return run
 
+    def settle_experts(self):
+        """An expert's gradient comes in summed over the tokens of its ep group (the all-to-all brought them), and
+        FSDP averaged it over the groups (efsdp): divided by ep, it is the mean over all the shards, as the rest's.
+        (FSDP's set_gradient_divide_factor would do it in the reduction, but in float64 on a one-rank efsdp it
+        divides twice on torch 2.13.)"""
+        if self.ep > 1:
+            for moe in self.moe.values():
+                for weight in moe.experts.parameters():
+                    weight.grad.div_(self.ep)
+
+    def counted(self, forward):
+        """forward, with the MoE layers counting the tokens they route (Trainer.routing_line)."""
+        def run(*args, **kwargs):
+            for moe in self.moe.values():
+                moe.counting = True
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                for moe in self.moe.values():
+                    moe.counting = False
+        return run
+
     def synchronize(self):
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
@@ -130,10 +169,10 @@ class Trainer:
     def loss(self, logits, targets):
         """The last stage's loss of one micro-batch: its tokens' cross-entropy over the step's tokens, so that the
         micro-batches' gradients add up to those of the step's mean (scale_grads=False: the schedule adds them as
-        they are). FSDP averages the data-parallel ranks' gradients: times dp, that is their sum. Under tensor
-        parallelism the logits stay split over the vocabulary (loss_parallel)."""
-        tokens = self.sampler.global_batch * targets.shape[1]
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") * self.dp / tokens
+        they are). FSDP averages the gradients of the dp x cp ranks, each with its own tokens: times dp x cp, that
+        is their sum. Under tensor parallelism the logits stay split over the vocabulary (loss_parallel)."""
+        tokens = self.sampler.global_batch * self.config.max_seq_len  # the whole sequences, all cp ranks' parts
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") * self.shards / tokens
 
     def where(self):
         return {"epochs_run": self.epochs_run, "position": self.position, "steps": self.steps_done,
@@ -179,6 +218,7 @@ class Trainer:
         self.synchronize()
         self.step_times.append((self.busy[0] - busy, time.perf_counter() - start))
         settle_grads(self.parts)
+        self.settle_experts()
         for optimizer in self.optimizers:
             optimizer.step()  # on this rank's pieces: no communication
         loss = sum(losses, torch.zeros((), device=self.device, dtype=self.dtype))
@@ -191,8 +231,10 @@ class Trainer:
         for source, targets in self.train_data:
             step_size = self.sampler.global_batch
             source, targets = source.to(self.device), targets.to(self.device)
-            loss = self._run_batch(source, targets) * step_size / self.dp  # this part's mean loss a token, times
-            if self.speaks:  # the sequences: one rank of each data-parallel part adds it
+            if self.cp > 1:  # this rank's chunks of each sequence, and of its targets (context_parallel.py)
+                source, targets = (shard_sequence(t, self.cp_rank, self.cp) for t in (source, targets))
+            loss = self._run_batch(source, targets) * step_size / self.shards  # this part's mean loss a token,
+            if self.speaks:  # times the sequences: one rank of each data and context-parallel part adds it
                 loss_sum += loss
             self.position, self.steps_done = self.position + step_size, self.steps_done + 1
             if self.log_every and self.steps_done % self.log_every == 0:
@@ -205,8 +247,25 @@ class Trainer:
         steps = -(-self.sampler.size // self.sampler.global_batch)
         self.log(f"Epoch {epoch} | Batchsize {self.sampler.global_batch // self.dp} | Steps {steps} | "
                  f"Loss {mean_loss:.6f} per token")
+        if self.moe:
+            self.log(self.routing_line())
         self.epochs_run, self.position = epoch + 1, 0
         return mean_loss
+
+    def routing_line(self):
+        """The tokens each expert got this epoch, layer by layer, summed over the ranks (a collective: every rank).
+        A balanced router gives each about tokens x top_k / experts."""
+        mine = {name: moe.routed.tolist() for name, moe in self.moe.items()}
+        for moe in self.moe.values():
+            moe.routed.zero_()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        layers = {}
+        for counts in everyone:
+            for name, routed in counts.items():
+                layers[name] = [a + b for a, b in zip(layers.get(name, [0] * len(routed)), routed)]
+        return "Tokens per expert | " + " | ".join(f"{name.removesuffix('.mlp')} {' '.join(map(str, routed))}"
+                                                   for name, routed in sorted(layers.items()))
 
     def idle_lines(self):
         """Each rank's measured idle fraction of a step, beside the textbook bubble (a collective: every rank)."""
@@ -307,6 +366,39 @@ def apply_tp(model, tp_mesh):
         })
 
 
+def apply_cp(model, cp_mesh, seq_len, form):
+    """Context parallelism: each rank holds its chunks of every sequence (context_parallel.shard_sequence); its
+    attention turns the queries and keys by their places in the whole sequence, and attends over every rank's keys
+    and values, by a ring or an all-gather. The rest of the layer works on each token alone: it needs nothing."""
+    attention, group = CP_ATTENTION[form], cp_mesh.get_group()
+    places = positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size(), device_of(cp_mesh))
+    for layer in filter(None, model.layers):
+        layer.self_attn.positions = places
+        layer.self_attn.context_parallel = functools.partial(attention, group=group)
+        if isinstance(layer.mlp, MoE):  # its balance loss counts each expert's share of whole sequences
+            layer.mlp.sequence_group = group
+
+
+def apply_ep(model, ep_mesh):
+    """Expert parallelism: each rank keeps its n_experts / ep experts of every MoE layer (a DTensor split over the
+    experts, so that checkpoints keep the full model's shapes), and its tokens go to their experts' ranks and back
+    by all-to-all (expert_parallel.dispatch). The router stays whole on every rank: each routes its own tokens."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for layer in filter(None, model.layers):
+        experts = layer.mlp.experts
+        for name, weight in list(experts.named_parameters()):
+            local = weight.detach().chunk(ep)[rank].contiguous()  # every rank holds the same whole: no message
+            experts.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
+                                                                              run_check=False)))
+        layer.mlp.dispatch = functools.partial(dispatch, group=ep_mesh.get_group())
+
+
+def tokens_held(cp_mesh, seq_len):
+    """Which tokens of each sequence this rank holds: two chunks, one early and one late."""
+    c, i, chunks = seq_len // (2 * cp_mesh.size()), cp_mesh.get_local_rank(), 2 * cp_mesh.size()
+    return f"tokens {i * c}-{(i + 1) * c - 1} and {(chunks - 1 - i) * c}-{(chunks - i) * c - 1} of {seq_len}"
+
+
 def settle_grads(parts):
     """The norms' weight gradients come out of backward as partial sums (each tp rank's slice of the sequence), the
     embedding's whole: each to its parameter's layout once, before the optimizer, which would otherwise all-reduce
@@ -345,7 +437,7 @@ def whole_model(state):
             for shapes in ranks for key, shape in shapes.items()}
 
 
-def load_train_objs(args, mesh):
+def load_train_objs(args, mesh, fsdp_mesh, expert_mesh):
     train_set = args.train_set
     # The whole decoder on every rank (one seed, the same weights), then each keeps its pieces: fine at this size;
     # a large model would be built on the meta device and each rank's shards initialized (fsdp.py).
@@ -360,20 +452,36 @@ def load_train_objs(args, mesh):
         # 2. Tensor parallel over the tp group: heads and hidden units split, norms over the sequence.
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"])
-        # 3. FSDP2 over the data-parallel ranks: each layer sharded on its own, then the rest; with HSDP, sharded
-        # over dp_shard and replicated over dp_replicate (FSDP all-reduces the shards' gradients over the first).
+        # 3. Context parallel over the cp group: each rank attends with its slice of the sequence.
+        if mesh["cp"].size() > 1:
+            apply_cp(part, mesh["cp"], args.config.max_seq_len, args.cp_attention)
+        # 4. Expert parallel over the ep group (ranks of dp_shard x cp): each its share of every layer's experts.
+        if expert_mesh is not None:
+            apply_ep(part, expert_mesh["ep"])
+        # 5. FSDP2 over the data-parallel and the context-parallel ranks (torchtitan's dp_shard_cp: both hold the
+        # same weights and train on tokens of their own): each layer sharded on its own, then the rest; with HSDP,
+        # replicated over dp_replicate (FSDP all-reduces the shards' gradients over it).
         # Under a pipeline, a layer's weights stay gathered from its forward to its backward (torchtitan's choice):
         # resharded after each micro-batch's forward, they would be gathered again for every micro-batch.
-        if mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+        # Experts split over ep are sharded over the ranks that hold the same ones (efsdp; HSDP: and dp_replicate),
+        # a unit of their own, even of one rank: the layer's unit must not take them (Trainer.settle_experts).
+        if fsdp_mesh.size() > 1:
             for layer in filter(None, part.layers):
-                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
-            fully_shard(part, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+                if expert_mesh is not None:
+                    efsdp = expert_mesh["dp_replicate", "efsdp"] if args.dp_replicate > 1 else expert_mesh["efsdp"]
+                    fully_shard(layer.mlp.experts, mesh=efsdp, reshard_after_forward=mesh["pp"].size() == 1)
+                fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+            fully_shard(part, mesh=fsdp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
         parts.append(part)
         lines.append(f"stage {index}: {holdings(part, names, total)}")
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
                   for part in parts]
     where = " ".join(f"{name} {mesh[name].get_local_rank()}" for name in mesh.mesh_dim_names)
+    if mesh["cp"].size() > 1:
+        where += f" | {tokens_held(mesh['cp'], args.config.max_seq_len)}"
+    if expert_mesh is not None:
+        local, ep_rank = args.config.n_experts // args.ep, expert_mesh["ep"].get_local_rank()
+        where += f" | ep {ep_rank}: experts {ep_rank * local}-{(ep_rank + 1) * local - 1} of {args.config.n_experts}"
     return train_set, parts, optimizers, " | ".join([where, *lines])
 
 
@@ -402,15 +510,25 @@ def main(args):
                                 world_size=world_size, timeout=timeout, device_id=device if accelerator else None)
     if rank == 0:
         print(f"Training on {world_size} process{'es' * (world_size > 1)} | device {device.type} | backend {backend}")
-    sizes = (args.pp, args.dp_replicate, args.dp // args.dp_replicate, args.tp)
-    mesh = dist.device_mesh.init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
-    dataset, parts, optimizers, holds = load_train_objs(args, mesh)
+    # FSDP shards over dp_shard x cp as one dimension: the mesh is made with it whole, then cut into the two (views
+    # of one mesh, torchtitan's way; _unflatten is private API).
+    dp_shard = args.dp // args.dp_replicate
+    root = dist.device_mesh.init_device_mesh(device.type, (args.pp, args.dp_replicate, dp_shard * args.cp, args.tp),
+                                             mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp", "tp"))
+    mesh = root._unflatten("dp_shard_cp", (dp_shard, args.cp), ("dp_shard", "cp"))
+    shards = "dp_shard_cp" if args.cp > 1 else "dp_shard"  # where cp is 1, the same ranks under their own name
+    fsdp_mesh = (root if args.cp > 1 else mesh)[("dp_replicate", shards) if args.dp_replicate > 1 else shards]
+    # The experts' view: dp_shard x cp cut into efsdp x ep, ep innermost (torchtitan's names).
+    expert_mesh = (root._unflatten("dp_shard_cp", (dp_shard * args.cp // args.ep, args.ep), ("efsdp", "ep"))
+                   if args.ep > 1 else None)
+    dataset, parts, optimizers, holds = load_train_objs(args, mesh, fsdp_mesh, expert_mesh)
+    args.layout = layout_of(mesh) + (f" | ep {args.ep}" if args.ep > 1 else "")
     everyone = [None] * world_size
     dist.all_gather_object(everyone, holds)
     m = args.microbatches
     if rank == 0:
         print(f"Text: {args.about} | {len(dataset):,} sequences of {args.config.max_seq_len} bytes to train on")
-        print(f"Mesh {layout_of(mesh)} | {args.global_batch_size // args.dp} sequences a data-parallel rank in {m} "
+        print(f"Mesh {args.layout} | {args.global_batch_size // args.dp} sequences a data-parallel rank in {m} "
               f"micro-batch{'es' * (m > 1)} | global batch {args.global_batch_size} | schedule {args.schedule}")
         print("\n".join(f"Rank {r} | {line}" for r, line in enumerate(everyone)))
     # Each step's global batch is cut into dp pieces: the ranks of one data-parallel coordinate (all their stages
@@ -423,7 +541,7 @@ def main(args):
     newest = trainer.train(args.total_epochs)
     del trainer, parts, optimizers  # they hold the process group: free them, so destroy_process_group frees it
     gc.collect()  # FSDP2's modules sit in reference cycles (hooks hold FSDP's state, which holds the module)
-    mesh._pg_registry.clear()  # torch's caches keep the mesh for good, and it its groups (private: no public way)
+    root._pg_registry.clear()  # torch's caches keep the mesh for good, and it its groups (private: no public way)
     if owns_group:
         dist.destroy_process_group()
     if rank == 0 and newest and args.sample:  # the whole decoder, read back from the checkpoint just saved
@@ -440,6 +558,12 @@ def parse_args(argv=None):
     parser.add_argument("--dp_replicate", type=positive_int, default=1, help="HSDP: replicas of the shards, of --dp")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks: each layer split over them")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline ranks")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks: each sequence split over "
+                        "them")
+    parser.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks, of dp x cp: each holds "
+                        "its share of the experts (with --n_experts)")
+    parser.add_argument("--cp_attention", choices=list(CP_ATTENTION), default="ring", help="how the cp ranks "
+                        "attend over each other's tokens: keys and values round a ring, or all-gathered")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="default 1f1b")
     parser.add_argument("--microbatches", type=positive_int, help="micro-batches a step (default: the stages)")
     parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences per step over all ranks")
@@ -463,10 +587,16 @@ def parse_args(argv=None):
         parser.add_argument(f"--{name}", type=positive_int, default=getattr(defaults, name), help=f"{help_} (default "
                             f"{getattr(defaults, name)})")
     parser.add_argument("--seq_len", type=positive_int, default=64, help="bytes a sequence (default 64)")
+    parser.add_argument("--n_experts", type=int, default=0, help="a mixture of this many experts in place of each "
+                        "MLP (default 0: the dense MLP)")
+    parser.add_argument("--top_k", type=positive_int, default=2, help="experts a token goes to (default 2)")
     args = parser.parse_args(argv)
     args.config = DecoderConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
-                                n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq_len=args.seq_len)
+                                n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq_len=args.seq_len,
+                                n_experts=args.n_experts, top_k=args.top_k)
     if args.init_from_hf:
+        if args.n_experts:
+            parser.error("--init_from_hf starts from a Llama, whose MLPs are dense: leave out --n_experts")
         try:
             with open(os.path.join(args.init_from_hf, "config.json")) as f:
                 args.config = DecoderConfig.from_hf(json.load(f))
@@ -488,14 +618,30 @@ def parse_args(argv=None):
     if "RANK" not in os.environ:
         parser.error(f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     world_size = int(os.environ["WORLD_SIZE"])
-    if args.dp is None and world_size % (args.tp * args.pp) == 0:
-        args.dp = world_size // (args.tp * args.pp)
-    if args.dp is None or args.dp * args.tp * args.pp != world_size:
-        parser.error(f"--dp {args.dp or '?'} x --tp {args.tp} x --pp {args.pp} must be the {world_size} processes "
-                     "torchrun started (WORLD_SIZE)")
+    if args.dp is None and world_size % (args.cp * args.tp * args.pp) == 0:
+        args.dp = world_size // (args.cp * args.tp * args.pp)
+    if args.dp is None or args.dp * args.cp * args.tp * args.pp != world_size:
+        parser.error(f"--dp {args.dp or '?'} x --cp {args.cp} x --tp {args.tp} x --pp {args.pp} must be the "
+                     f"{world_size} processes torchrun started (WORLD_SIZE)")
     if args.dp % args.dp_replicate:
         parser.error(f"--dp_replicate {args.dp_replicate} must divide --dp {args.dp}: dp = dp_replicate x dp_shard")
     check_model(parser, c, args.tp)
+    if args.n_experts < 0:
+        parser.error(f"--n_experts {args.n_experts}: 0 (the dense MLP) or more experts")
+    if args.n_experts and args.top_k > args.n_experts:
+        parser.error(f"--top_k {args.top_k} of --n_experts {args.n_experts}: a token goes to top_k of the experts")
+    if args.ep > 1 and not args.n_experts:
+        parser.error(f"--ep {args.ep} splits the experts, and there are none: give --n_experts")
+    if args.n_experts % args.ep:
+        parser.error(f"--ep {args.ep} must divide --n_experts {args.n_experts}: each ep rank holds an equal share")
+    if (args.dp // args.dp_replicate * args.cp) % args.ep:
+        parser.error(f"--ep {args.ep} must divide the {args.dp // args.dp_replicate * args.cp} ranks of dp_shard x "
+                     "cp: the experts are split over ranks that train on tokens of their own")
+    if args.n_experts and args.tp > 1:
+        parser.error("--n_experts with --tp: this step splits the experts over ep, not tp; use --ep")
+    if c.max_seq_len % (2 * args.cp) or c.max_seq_len // args.cp % args.tp:
+        parser.error(f"--seq_len {c.max_seq_len} must cut into 2 x --cp {args.cp} equal chunks, two a cp rank, and "
+                     f"each cp rank's {c.max_seq_len / args.cp:g} tokens into --tp {args.tp} equal slices")
     stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
     args.microbatches = args.microbatches or stages  # default: a micro-batch a stage
     if stages > c.n_layers:

@@ -19,6 +19,7 @@ AdamW's first moment stay within WEIGHT_TOL = 1e-10 of one process's (measured: 
 while a wrong batch, a lost shard or a gradient scaled by dp is off by more than 1e-4. The printed epoch losses
 have 6 decimals: LOSS_TOL = 1e-6.
 """
+import functools
 import json
 import re
 import shutil
@@ -51,11 +52,12 @@ def the_text():
     return read_text()[0][:TEXT_CHARS]
 
 
-def reference_run(epochs, initial=None, seed=0):
-    """One process, no torch.distributed: [(epoch loss a token, weights, AdamW's exp_avg) after each epoch]."""
-    dataset, _ = text_splits(the_text(), CONFIG.max_seq_len)
+def reference_run(epochs, initial=None, seed=0, config=CONFIG):
+    """One process, no torch.distributed: [(epoch loss a token, weights, AdamW's exp_avg) after each epoch]. With
+    experts, each MoE layer adds its balance loss's gradient itself (its mean over the batch's sequences)."""
+    dataset, _ = text_splits(the_text(), config.max_seq_len)
     size = len(dataset) // GLOBAL_BATCH * GLOBAL_BATCH  # whole steps, as the scripts train
-    model = Decoder(CONFIG).init_weights(seed).double()
+    model = Decoder(config).init_weights(seed).double()
     if initial is not None:
         model.load_state_dict(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -101,7 +103,7 @@ def full_state(checkpoint, tmp_path):
     return torch.load(out, weights_only=True)
 
 
-def assert_matches_reference(state, reference, epochs, what):
+def assert_matches_reference(state, reference, epochs, what, config=CONFIG):
     """A checkpoint's weights and AdamW's first moment against one process's after `epochs` epochs."""
     _, weights, moment = reference[epochs - 1]
     assert state["model"].keys() == weights.keys(), (what, sorted(state["model"]))
@@ -111,7 +113,7 @@ def assert_matches_reference(state, reference, epochs, what):
         assert difference <= WEIGHT_TOL, f"{what}: {name} differs from one process's by {difference}"
         difference = (state["optimizer"][f"state.{name}.exp_avg"] - moment[name]).abs().max().item()
         assert difference <= WEIGHT_TOL, f"{what}: {name}'s exp_avg differs from one process's by {difference}"
-    initial = Decoder(CONFIG).init_weights(0).state_dict()
+    initial = Decoder(config).init_weights(0).state_dict()
     assert any((initial[n].double() - w).abs().max() > 1e-3 for n, w in weights.items()), "it must have trained"
 
 
@@ -138,10 +140,11 @@ MATRIX = [
     (P, 4, ("--tp", "2", "--schedule", "interleaved_1f1b"), "pp 2 x tp 2"),
     (P, 4, ("--schedule", "gpipe"), "pp 4 x tp 1"),
     (T, 2, (), "tp 2"),
-    (N, 4, ("--dp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x tp 2"),
-    (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x tp 1"),
+    (N, 4, ("--dp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2"),
+    (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1"),
     (P, 2, ("--schedule", "zbv"), "pp 2 x tp 1"),
-    (N, 4, ("--pp", "2", "--tp", "2", "--schedule", "interleaved_zb"), "pp 2 x dp_replicate 1 x dp_shard 1 x tp 2"),
+    (N, 4, ("--pp", "2", "--tp", "2", "--schedule", "interleaved_zb"),
+     "pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2"),
     (T, 1, (), "tp 1"),
 ]
 
@@ -264,7 +267,7 @@ CHAIN = [(2, 2, 2), (2, 2, 1), (1, 4, 1), (4, 1, 1), (1, 1, 1), (2, 2, 2)]  # dp
 
 
 def layout(dp, tp, pp):
-    return f"pp {pp} x dp_replicate 1 x dp_shard {dp} x tp {tp}"
+    return f"pp {pp} x dp_replicate 1 x dp_shard {dp} x cp 1 x tp {tp}"
 
 
 @pytest.fixture(scope="module")
@@ -284,10 +287,10 @@ def chain(tmp_path_factory):
 @pytest.mark.slow
 def test_3d_parallel_on_8_processes_places_every_rank_on_the_mesh_and_trains_as_one_process(chain, reference):
     out, state = chain[0]
-    assert ("Mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 | 8 sequences a data-parallel rank in 2 micro-batches | "
-            "global batch 16 | schedule 1f1b") in out, out[-3000:]
+    assert ("Mesh pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 | 8 sequences a data-parallel rank in 2 "
+            "micro-batches | global batch 16 | schedule 1f1b") in out, out[-3000:]
     total = sum(p.numel() for p in Decoder(CONFIG).parameters())
-    ranks = re.findall(rf"^Rank (\d) \| pp (\d) dp_replicate 0 dp_shard (\d) tp (\d) \| stage (\d): ([^|]+) \| "
+    ranks = re.findall(rf"^Rank (\d) \| pp (\d) dp_replicate 0 dp_shard (\d) cp 0 tp (\d) \| stage (\d): ([^|]+) \| "
                        rf"([\d,]+) of {total:,} parameters \| layers\.(\d)\.self_attn\.q_proj\.weight \[8, 32\] of "
                        r"\[32, 32\]$", out, re.M)
     assert len(ranks) == 8, out[-3000:]
@@ -313,6 +316,171 @@ def test_a_run_resumed_in_every_layout_and_back_trains_as_one_uninterrupted_proc
         assert f"Mesh {layout(*CHAIN[epoch])} |" in out, (what, out[-3000:])
         assert_losses_match(out, reference, [epoch], what)
         assert_matches_reference(state, reference, epoch + 1, what)
+
+
+# ---- context and expert parallelism: each sequence split over cp ranks, the experts over ep ranks ----
+
+# The layers' outputs and gradients (of order 1) against one process's, float64: measured <= 3e-15 (attention),
+# 0 (the experts' outputs and gradients, the same additions), 3e-14 (the router's gradient, summed over ranks).
+LAYER_TOL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def parallel_layers(tmp_path_factory):
+    """tests/support/parallel_layers_check.py on 4 processes: context_parallel.py's attention at cp 2 and 4, each
+    rank against one process's, computed on every rank from the same seeded tensors."""
+    return launch(REPO / "tests" / "support" / "parallel_layers_check.py", nproc=4,
+                  cwd=tmp_path_factory.mktemp("layers"))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("form", ["ring", "allgather"])
+def test_context_parallel_attention_is_one_process_sdpa_forward_and_backward(parallel_layers, cp, form):
+    found = re.search(rf"^cp {cp} {form} \| forward (\S+) \| dq (\S+) \| dk (\S+) \| dv (\S+)$", parallel_layers,
+                      re.M)
+    assert found, parallel_layers[-3000:]
+    errors = [float(error) for error in found.groups()]
+    assert all(error <= LAYER_TOL for error in errors), (cp, form, errors)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_dispatch_is_one_process_moe_forward_and_backward(parallel_layers, ep):
+    found = re.search(rf"^ep {ep} \| forward (\S+) \| dx (\S+) \| drouter (\S+) \| dexperts (\S+) \| tokens per "
+                      r"expert ([\d ]+)$", parallel_layers, re.M)
+    assert found, parallel_layers[-3000:]
+    errors = [float(error) for error in found.groups()[:4]]
+    assert all(error <= LAYER_TOL for error in errors), (ep, errors)
+    routed = [int(count) for count in found.group(5).split()]
+    assert len(routed) == 8 and sum(routed) == 2 * ep * 16 * 2, routed  # every token to 2 of 8 experts: dropless
+
+
+# nd_parallel.py with --cp, an epoch a launch, each resumed from the one before: FSDP x CP x TP on 8 processes (the
+# ring), CP 4 alone (all-gathered keys and values), a pipeline of CP 2 stages.
+CP_CHAIN = [(8, ("--dp", "2", "--cp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 2"),
+            (4, ("--cp", "4", "--cp_attention", "allgather"), "pp 1 x dp_replicate 1 x dp_shard 1 x cp 4 x tp 1"),
+            (4, ("--pp", "2", "--cp", "2"), "pp 2 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1")]
+
+
+CHECKER = REPO / "tests" / "support" / "contiguous_collectives.py"
+
+
+def launch_checked(*args, nproc, cwd):
+    """A launch of nd_parallel.py whose collectives stop it on a tensor that is not contiguous (CHECKER)."""
+    return launch(CHECKER, REPO / N, *args, nproc=nproc, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def cp_chain(tmp_path_factory):
+    """CP_CHAIN, each launch resumed from the one before; the all-gather's launch checks its collectives' tensors."""
+    directory, states = tmp_path_factory.mktemp("cp-chain"), tmp_path_factory.mktemp("cp-chain-states")
+    (directory / "text.txt").write_text(the_text())
+    found = []
+    for epoch, (nproc, flags, _) in enumerate(CP_CHAIN):
+        start_ = launch_checked if epoch == 1 else functools.partial(launch, N)
+        out = start_("--total_epochs", epoch + 1, *flags, *F64, nproc=nproc, cwd=directory)
+        found.append((out, full_state(newest(directory / "checkpoints"), states)))
+    return found
+
+
+def test_context_parallel_places_cp_inside_tp_and_gives_each_rank_an_early_and_a_late_chunk(cp_chain):
+    out = cp_chain[0][0]
+    ranks = re.findall(r"^Rank (\d) \| pp 0 dp_replicate 0 dp_shard (\d) cp (\d) tp (\d) \| tokens (\d+)-(\d+) and "
+                       r"(\d+)-(\d+) of 16 \| stage 0:", out, re.M)
+    assert len(ranks) == 8, out[-3000:]
+    for rank, dp, cp, tp, *tokens in ranks:
+        assert int(rank) == (int(dp) * 2 + int(cp)) * 2 + int(tp), ranks  # tp innermost, then cp, then dp_shard
+        chunks = [(0, 3, 12, 15), (4, 7, 8, 11)][int(cp)]  # 4 chunks of 4 tokens: cp rank i holds i and 3 - i
+        assert tuple(map(int, tokens)) == chunks, ranks
+
+
+def test_a_run_resumed_across_cp_layouts_trains_as_one_uninterrupted_process(cp_chain, reference):
+    """FSDP 2 x CP 2 x TP 2 (ring) -> CP 4 (all-gather) -> PP 2 x CP 2 (ring), an epoch each: every epoch's loss
+    and every checkpoint's weights and first moment are one process's, within the tolerance."""
+    for epoch, (out, state) in enumerate(cp_chain):
+        nproc, _, mesh = CP_CHAIN[epoch]
+        assert f"Mesh {mesh} |" in out, (mesh, out[-3000:])
+        if epoch:
+            before, processes = CP_CHAIN[epoch - 1][2], CP_CHAIN[epoch - 1][0]
+            assert (f"Resuming from checkpoints/epoch_{epoch:06d} at epoch {epoch}, saved as {before} on {processes} "
+                    "process") in out, (mesh, out[-3000:])
+        assert_losses_match(out, reference, [epoch], mesh)
+        assert_matches_reference(state, reference, epoch + 1, mesh)
+
+
+# nd_parallel.py with --n_experts 4 (top 2), an epoch a launch, each resumed from the one before: FSDP x CP x EP,
+# then a pipeline of them on 8 processes (all-gathered keys and values), HSDP x EP, and FSDP with every expert on
+# every rank.
+MOE_CONFIG = DecoderConfig(dim=32, n_layers=4, n_heads=8, n_kv_heads=4, hidden=64, max_seq_len=16, n_experts=4)
+EP_CHAIN = [(4, ("--dp", "2", "--cp", "2", "--ep", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 | ep 2"),
+            (8, ("--pp", "2", "--dp", "2", "--cp", "2", "--ep", "4", "--cp_attention", "allgather"),
+             "pp 2 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 | ep 4"),
+            (4, ("--dp", "4", "--dp_replicate", "2", "--ep", "2"),
+             "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 | ep 2"),
+            (2, ("--dp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1")]
+
+
+@pytest.fixture(scope="module")
+def ep_chain(tmp_path_factory):
+    """EP_CHAIN, each launch resumed from the one before; the first (the ring, the all-to-all) checks its
+    collectives' tensors."""
+    directory, states = tmp_path_factory.mktemp("ep-chain"), tmp_path_factory.mktemp("ep-chain-states")
+    (directory / "text.txt").write_text(the_text())
+    found = []
+    for epoch, (nproc, flags, _) in enumerate(EP_CHAIN):
+        start_ = launch_checked if epoch == 0 else functools.partial(launch, N)
+        out = start_("--total_epochs", epoch + 1, "--n_experts", "4", *flags, *F64, nproc=nproc, cwd=directory)
+        found.append((out, full_state(newest(directory / "checkpoints"), states)))
+    return found, newest(directory / "checkpoints")
+
+
+def test_a_mixture_of_experts_resumed_across_ep_and_cp_layouts_trains_as_one_uninterrupted_process(ep_chain):
+    """The four launches of EP_CHAIN, an epoch each: every epoch's loss and every checkpoint's weights (the experts
+    at their full shapes, [4, 64, 32]) and first moment are one process's, within the tolerance; each epoch prints
+    the tokens each expert of each layer got, every token to 2 of the 4."""
+    reference = single_threaded(lambda: reference_run(len(EP_CHAIN), config=MOE_CONFIG))
+    for epoch, (out, state) in enumerate(ep_chain[0]):
+        nproc, _, mesh = EP_CHAIN[epoch]
+        assert f"Mesh {mesh} |" in out, (mesh, out[-3000:])
+        if epoch:
+            before, processes = EP_CHAIN[epoch - 1][2], EP_CHAIN[epoch - 1][0]
+            assert (f"Resuming from checkpoints/epoch_{epoch:06d} at epoch {epoch}, saved as {before} on {processes} "
+                    "process") in out, (mesh, out[-3000:])
+        assert_losses_match(out, reference, [epoch], mesh)
+        assert_matches_reference(state, reference, epoch + 1, mesh, config=MOE_CONFIG)
+        assert list(state["model"]["layers.0.mlp.experts.gate_proj"].shape) == [4, 64, 32]
+        routing = re.search(r"^Tokens per expert \| (.*)$", out, re.M)
+        assert routing, out[-3000:]
+        layers = [part.split() for part in routing.group(1).split(" | ")]
+        assert [layer[0] for layer in layers] == [f"layers.{i}" for i in range(4)], routing.group(0)
+        for layer in layers:  # 4 steps of 16 sequences of 16 tokens, each token to 2 experts
+            assert len(layer) == 5 and sum(map(int, layer[1:])) == 4 * 16 * 16 * 2, routing.group(0)
+
+
+def test_hf_checkpoint_refuses_a_mixture_of_experts(ep_chain, tmp_path):
+    """A Llama's MLPs are dense: the MoE chain's last checkpoint is no Llama, one line, nothing written."""
+    checkpoint = ep_chain[1]
+    result = run([BIN / "python", REPO / "hf_checkpoint.py", checkpoint, tmp_path / "llama"], cwd=tmp_path, check=False)
+    assert_one_line_error(result, f"error: {checkpoint} holds a mixture of 4 experts a layer", code=1)
+    assert not (tmp_path / "llama").exists()
+
+
+def test_no_tensor_reaches_a_collective_non_contiguous(cp_chain, ep_chain):
+    """gloo sends a view's storage, not its elements, in scatter and in torch.distributed.nn's all_gather backward
+    (pytorch#192920): wrong values, no error. Two launches ran under CHECKER: the all-gathered attention at cp 4,
+    and the ring with the experts' all-to-all at dp 2 x cp 2 x ep 2, forward, backward, FSDP2 and DCP; every call
+    of every rank took contiguous tensors (else it stopped), and the checker did check (the counts)."""
+    for out, nproc in ((cp_chain[1][0], CP_CHAIN[1][0]), (ep_chain[0][0][0], EP_CHAIN[0][0])):
+        counts = dict(re.findall(r"^contiguity checked: rank (\d), (\d+) calls$", out, re.M))
+        assert sorted(counts) == [str(rank) for rank in range(nproc)], out[-3000:]
+        # At least the attention's own: a gather or ring forward and its backward, each layer (4), each step (4).
+        assert all(int(count) >= 2 * 4 * 4 for count in counts.values()), counts
+    from support.contiguous_collectives import checking
+    calls = []
+    check = checking("all_reduce", lambda *tensors: calls.append(tensors))
+    check(torch.ones(4, 2))
+    with pytest.raises(AssertionError, match=r"non-contiguous tensor to torch.distributed.all_reduce: shape \[2, 4\]"):
+        check(torch.ones(4, 2).t())
+    assert len(calls) == 1, "the view never reached the collective"
 
 
 # ---- Hugging Face in and out ----
@@ -359,7 +527,7 @@ def test_a_checkpoint_transformers_wrote_trains_on_in_a_split_layout(tmp_path, r
 
 def test_bad_sizes_are_one_line_before_any_work(tmp_path):
     cases = [  # script, arguments, processes, what the line says
-        (N, ("--dp", "2", "--tp", "2"), 2, "--dp 2 x --tp 2 x --pp 1 must be the 2 processes"),
+        (N, ("--dp", "2", "--tp", "2"), 2, "--dp 2 x --cp 1 x --tp 2 x --pp 1 must be the 2 processes"),
         (N, ("--tp", "2", "--n_kv_heads", "1"), 2, "tp 2 does not divide --n_kv_heads (1)"),
         (T, ("--n_heads", "3", "--n_kv_heads", "3", "--dim", "96"), 2, "tp 2 does not divide --n_heads (3)"),
         (T, ("--seq_len", "127",), 2, "tp 2 does not divide --seq_len (127)"),
@@ -370,6 +538,15 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
         (T, ("--data", "nowhere.txt"), 1, "--data nowhere.txt: not a UTF-8 text file this can read ([Errno 2]"),
         (P, ("--data", "short.txt"), 1, "short.txt, 10 characters makes 0 sequences of 64 bytes to train on, "
                                         "fewer than --global_batch_size 16"),
+        (N, ("--cp", "3"), 2, "--dp ? x --cp 3 x --tp 1 x --pp 1 must be the 2 processes torchrun started"),
+        (N, ("--cp", "2", "--seq_len", "18"), 2, "--seq_len 18 must cut into 2 x --cp 2 equal chunks, two a cp rank"),
+        (N, ("--ep", "2"), 2, "--ep 2 splits the experts, and there are none: give --n_experts"),
+        (N, ("--ep", "2", "--n_experts", "3"), 2, "--ep 2 must divide --n_experts 3"),
+        (N, ("--ep", "2", "--n_experts", "4", "--pp", "2"), 2, "--ep 2 must divide the 1 ranks of dp_shard x cp"),
+        (N, ("--n_experts", "4", "--tp", "2"), 2, "--n_experts with --tp: this step splits the experts over ep"),
+        (N, ("--n_experts", "4", "--top_k", "5"), 1, "--top_k 5 of --n_experts 4"),
+        (N, ("--n_experts", "-2"), 1, "--n_experts -2: 0 (the dense MLP) or more experts"),
+        (N, ("--n_experts", "4", "--init_from_hf", "llama"), 1, "--init_from_hf starts from a Llama, whose MLPs are"),
     ]
     (tmp_path / "short.txt").write_text("tiny text\n")
     jobs = [start(torchrun_cmd(script, *args, nproc=nproc), cwd=tmp_path, env=clean_env(**ENV), merge_output=False)

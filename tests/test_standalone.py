@@ -28,12 +28,14 @@ LESSON_PACKAGES = {
     "diloco.py": {"torchft"},
 }
 # fsdp.py's checkpoint protocol serves the steps after it too (tensor, pipeline and N-D parallelism), whose model
-# is the decoder of language_model.py.
+# is the decoder of language_model.py; step 8 adds the attention of context parallelism and the experts' dispatch.
 SIBLINGS = {"fsdp.py": {"models_and_data", "fsdp_checkpoint"},
             **{name: {"language_model", "fsdp_checkpoint"} for name in ("tensor_parallel.py", "pipeline_parallel.py",
-                                                                       "nd_parallel.py", "hf_checkpoint.py")}}
+                                                                       "hf_checkpoint.py")},
+            "nd_parallel.py": {"language_model", "fsdp_checkpoint", "context_parallel", "expert_parallel"}}
 # diagnose is an installed tool (pip install ./diagnose; requirements-dev.txt), importable anywhere by design.
-REPOSITORY_PACKAGES = ("benchmarks", "models_and_data", "fsdp_checkpoint", "language_model")
+REPOSITORY_PACKAGES = ("benchmarks", "models_and_data", "fsdp_checkpoint", "language_model", "context_parallel",
+                       "expert_parallel")
 
 
 def examples():
@@ -62,7 +64,9 @@ def test_an_example_imports_only_torch_the_standard_library_its_lesson_and_one_m
     assert "sys.path" not in source, f"{name} edits sys.path"
 
 
-@pytest.mark.parametrize("name, lines", [("models_and_data.py", 160), ("language_model.py", 200)])
+# language_model.py: the decoder, and its mixture-of-experts option (about 90 lines).
+@pytest.mark.parametrize("name, lines", [("models_and_data.py", 160), ("language_model.py", 300),
+                                         ("context_parallel.py", 150), ("expert_parallel.py", 100)])
 def test_the_shared_modules_are_small_and_import_only_torch(name, lines):
     path = REPO / name
     assert len(path.read_text().splitlines()) <= lines

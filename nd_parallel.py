@@ -307,6 +307,17 @@ def apply_tp(model, tp_mesh):
         })
 
 
+def apply_fsdp(part, mesh):
+    """FSDP2: each layer sharded on its own, then the rest; with HSDP, sharded over dp_shard and replicated over
+    dp_replicate (FSDP all-reduces the shards' gradients over the first). Under a pipeline, a layer's weights stay
+    gathered from its forward to its backward (torchtitan's choice): resharded after each micro-batch's forward,
+    they would be gathered again for every micro-batch."""
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    for layer in filter(None, part.layers):
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+
+
 def settle_grads(parts):
     """The norms' weight gradients come out of backward as partial sums (each tp rank's slice of the sequence), the
     embedding's whole: each to its parameter's layout once, before the optimizer, which would otherwise all-reduce
@@ -360,15 +371,9 @@ def load_train_objs(args, mesh):
         # 2. Tensor parallel over the tp group: heads and hidden units split, norms over the sequence.
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"])
-        # 3. FSDP2 over the data-parallel ranks: each layer sharded on its own, then the rest; with HSDP, sharded
-        # over dp_shard and replicated over dp_replicate (FSDP all-reduces the shards' gradients over the first).
-        # Under a pipeline, a layer's weights stay gathered from its forward to its backward (torchtitan's choice):
-        # resharded after each micro-batch's forward, they would be gathered again for every micro-batch.
+        # 3. FSDP2 over the data-parallel ranks.
         if mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
-            for layer in filter(None, part.layers):
-                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
-            fully_shard(part, mesh=dp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+            apply_fsdp(part, mesh)
         parts.append(part)
         lines.append(f"stage {index}: {holdings(part, names, total)}")
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)

@@ -1,0 +1,311 @@
+"""Plan a job on a laptop: one rank's memory, bytes and FLOPs in a training step of nd_parallel.py, for any layout
+of up to thousands of GPUs, traced in one CPU process without a GPU or a network.
+
+    python plan.py --world_size 8 --dp_shard 2 --tp 2 --pp 2 --rank 7                      # the steps' decoder
+    python plan.py --model llama3-8b --world_size 512 --dp_shard 64 --tp 8 --seq_len 8192 --global_batch_size 512
+    python plan.py --model llama3-70b --world_size 8192 --dp_shard 128 --tp 8 --pp 8 --microbatches 16 \\
+        --seq_len 8192 --global_batch_size 2048
+
+It builds what nd_parallel.py builds for one rank of --world_size (its mesh, stages, apply_tp and apply_fsdp,
+imported from it) with a fake process group (torch's "fake" backend: every collective returns at once) and fake
+tensors (FakeTensorMode: shapes and dtypes, no data), then runs that rank's part of one step: the forward and
+backward of each micro-batch of its stage(s) in the order its pipeline schedule gives it (the schedule's own action
+list; the stage's own forward, backward and gradient-reduce methods), settle_grads and AdamW's step. It prints the
+rank's parameters, gradients and optimizer state, the peak memory and its parts (FSDPMemTracker, or MemTracker
+without FSDP), every collective with its mesh dimension and the bytes it puts on the wire, and the step's FLOPs
+(FlopCounterMode). A pipeline's sends are not collectives: they are counted from the stage's output and input
+shapes. docs/plan.md compares its figures with real runs.
+"""
+import argparse
+import contextlib
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _ComputationType, PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.flop_counter import flop_registry
+
+from language_model import Decoder, DecoderConfig
+from nd_parallel import (DIMS, LOOPED, SCHEDULES, V_SHAPED, apply_fsdp, apply_tp, build_stage, settle_grads,
+                         stage_indices)
+
+# Llama 3's shapes (Meta's config.json of Llama-3.1-8B and -70B): the decoder of steps 6 to 8 at their sizes.
+MODELS = {
+    "steps": DecoderConfig(),
+    "llama3-8b": DecoderConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden=14336,
+                               rope_theta=500000.0),
+    "llama3-70b": DecoderConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden=28672,
+                                rope_theta=500000.0),
+}
+GiB = 1024 ** 3
+aten, c10d, functional = torch.ops.aten, torch.ops.c10d, torch.ops._c10d_functional
+# Each collective: (its kind, the tensor whose bytes count, where its process group or group name is).
+# Each collective: its kind, the argument whose bytes count (an all-gather's input: this rank's part) and the
+# argument that names its group.
+COLLECTIVES = {
+    functional.all_gather_into_tensor.default: ("all-gather", 0, 2),
+    functional.reduce_scatter_tensor.default: ("reduce-scatter", 0, 3),
+    functional.all_reduce.default: ("all-reduce", 0, 2),
+    c10d._allgather_base_.default: ("all-gather", 1, 2),
+    c10d._reduce_scatter_base_.default: ("reduce-scatter", 1, 2),
+    c10d.allreduce_.default: ("all-reduce", 0, 1),
+}
+# FlopCounterMode's formulas, and the CPU's attention kernel (its arguments are those of the GPU's, in order).
+FLOPS = {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[
+    aten._scaled_dot_product_flash_attention], aten._scaled_dot_product_flash_attention_for_cpu_backward:
+    flop_registry[aten._scaled_dot_product_flash_attention_backward]}
+
+
+def wire_bytes(kind, size, n, backend):
+    """Bytes one rank of n sends for a collective on a tensor of `size` bytes (an all-gather's: each rank's part),
+    by a ring: an all-gather (n-1) parts, an all-reduce 2(n-1)/n of the tensor, a reduce-scatter (n-1)/n of it with
+    NCCL, 2(n-1)/n with gloo (which reduces it whole, then keeps a part: benchmarks/parallel_bytes.py measured it)."""
+    if kind == "all-gather":
+        return (n - 1) * size
+    if kind == "all-reduce" or backend == "gloo":
+        return 2 * (n - 1) / n * size
+    return (n - 1) / n * size
+
+
+class Step(TorchDispatchMode):
+    """What one rank computes and sends: the FLOPs of its matrix products and attention (FlopCounterMode's
+    formulas), and every collective with its process group and the bytes of its tensor. Like torch's trackers, it
+    lets a DTensor op pass (NotImplemented) and counts the local ops that DTensor turns it into: the rank's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+        self.calls = []  # (kind, group name, bytes of the tensor)
+
+    def __enter__(self):
+        self.fake_mode = active_fake_mode()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self.fake_mode:  # DTensor working out an output's shape: not the rank's op
+            return out
+        if func in COLLECTIVES:
+            kind, tensor, group = COLLECTIVES[func]
+            tensor = args[tensor][0] if isinstance(args[tensor], list) else args[tensor]
+            group = args[group]
+            name = group if isinstance(group, str) else dist.ProcessGroup.unbox(group).group_name
+            self.calls.append((kind, name, tensor.numel() * tensor.element_size()))
+        elif func._overloadpacket in FLOPS:
+            self.flops += FLOPS[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+@contextlib.contextmanager
+def local_ops_only():
+    """DTensor works out each new op's output shape by running it on fake tensors of the global shapes, under the
+    modes active then: the trackers would count those as the rank's work and memory. Run that with them off."""
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def without_trackers(self, op_schema):
+        with _disable_current_modes():
+            return propagate(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = without_trackers
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+
+def mesh_groups(mesh):
+    """{process group name: (the mesh dimension it is, its size)} for this rank's mesh."""
+    groups = {}
+    for name in mesh.mesh_dim_names:
+        if mesh[name].size() > 1:
+            groups[mesh[name].get_group().group_name] = (name, mesh[name].size())
+    return groups
+
+
+def build(args, mesh):
+    """This rank's parts of the model, on the meta device, as nd_parallel.load_train_objs builds them."""
+    with torch.device("meta"):
+        model = Decoder(args.config)
+    total = sum(p.numel() for p in model.parameters())
+    indices = stage_indices(mesh["pp"].get_local_rank(), mesh["pp"].size(), args.schedule)
+    parts = []
+    for index in indices:
+        part = Decoder(args.config).to("meta") if len(indices) > 1 and parts else model
+        build_stage(part, index, mesh["pp"].size() * len(indices))
+        if mesh["tp"].size() > 1:
+            apply_tp(part, mesh["tp"])
+        if mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
+            apply_fsdp(part, mesh)
+        parts.append(part)
+    return parts, indices, total
+
+
+def local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def trace(args):
+    """One step of rank args.rank, traced: a dict of what it holds, sends and computes."""
+    start = time.perf_counter()
+    store = FakeStore()
+    dist.init_process_group("fake", rank=args.rank, world_size=args.world_size, store=store)
+    try:
+        sizes = (args.pp, args.dp_replicate, args.dp_shard, args.tp)
+        mesh = dist.device_mesh.init_device_mesh("cpu", sizes, mesh_dim_names=DIMS)
+        parts, indices, total = build(args, mesh)
+        stages = args.pp * len(indices)
+        dp = args.dp_replicate * args.dp_shard
+        m = args.microbatches
+        batch = args.global_batch_size // dp // m  # sequences in one micro-batch of this rank
+        seq, dim, tp = args.config.max_seq_len, args.config.dim, args.tp
+        dtype = torch.float32
+        pipeline = [PipelineStage(part, index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
+                    for part, index in zip(parts, indices)]
+        schedule = SCHEDULES[args.schedule](pipeline if len(parts) > 1 else pipeline[0], n_microbatches=m,
+                                            loss_fn=None, scale_grads=False)
+        if isinstance(schedule, PipelineScheduleSingle):
+            actions = single_stage_order(args.schedule, indices[0], stages, m)
+        else:  # the action list the schedule itself runs on this rank
+            actions = [(a.stage_index, a.computation_type.value, a.microbatch_index)
+                       for a in schedule.pipeline_order[mesh["pp"].get_local_rank()] if a is not None]
+        by_index = dict(zip(indices, pipeline))
+        step, groups = Step(), mesh_groups(mesh)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # the meta tensors become fake ones here, not before
+            for part in parts:
+                part.to_empty(device="cpu")
+            optimizers = [torch.optim.AdamW(part.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+                          for part in parts]
+            # A step's optimizer state exists from the second step on: made now by a step on zero gradients, so
+            # that the traced step is a steady one (the first's peak lacks the optimizer's 2 x 4 bytes a parameter).
+            for part, optimizer in zip(parts, optimizers):
+                for p in part.parameters():
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            hidden = torch.zeros(batch, seq // tp, dim, dtype=dtype)
+            fsdp_root = len(parts) == 1 and isinstance(parts[0], FSDPModule)
+            tracker = FSDPMemTracker(parts[0], optimizers[0]) if fsdp_root else MemTracker()
+            if not fsdp_root:
+                tracker.track_external(*parts, *optimizers)
+            with local_ops_only(), tracker, step:
+                run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker)
+                settle_grads(parts)
+                for optimizer in optimizers:
+                    optimizer.step()
+            peak = tracker.get_tracker_snapshot("peak")
+            peak = next(iter(peak.values())) if peak else {}
+            held = {"parameters": sum(local(p).numel() * local(p).element_size() for part in parts
+                                      for p in part.parameters()),
+                    "gradients": sum(local(p.grad).numel() * local(p.grad).element_size() for part in parts
+                                     for p in part.parameters() if p.grad is not None),
+                    "optimizer": sum(local(v).numel() * local(v).element_size() for optimizer in optimizers
+                                     for state in optimizer.state.values() for v in state.values()
+                                     if isinstance(v, torch.Tensor))}
+    finally:
+        dist.destroy_process_group()
+    return {"parts": parts, "indices": indices, "total": total, "collectives": step.calls,
+            "groups": groups, "flops": step.flops, "peak": peak, "actions": actions, "held": held,
+            "microbatch": (batch, seq, dim, tp), "seconds": time.perf_counter() - start, "stages": stages}
+
+
+def single_stage_order(schedule, stage, stages, m):
+    """[(stage, "F" or "B", micro-batch)] as ScheduleGPipe and Schedule1F1B's _step_microbatches run them: GPipe
+    every forward, then every backward; 1F1B stages - stage forwards first, then a backward and a forward in turn."""
+    if schedule == "gpipe":
+        return [(stage, "F", i) for i in range(m)] + [(stage, "B", i) for i in range(m)]
+    warmup = min(m, stages - stage)
+    order = [(stage, "F", i) for i in range(warmup)]
+    for i in range(m):
+        order.append((stage, "B", i))
+        if warmup + i < m:
+            order.append((stage, "F", warmup + i))
+    return order
+
+
+def run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker):
+    """The rank's actions of one step, each by the stage's own methods: forward of a micro-batch, its backward
+    (full, or input then weight), and at the end the reduction of the gradients (FSDP's reduce-scatter)."""
+    kept = {}  # (stage, micro-batch): (its inputs, its output)
+    for stage_index, action, i in actions:
+        stage = by_index[stage_index]
+        if action == "F":
+            tracker.reset_mod_stats()  # its per-module figures, which take one forward a step; the peak stays
+            inputs = tokens if stage_index == 0 else hidden.clone().requires_grad_()
+            output = stage.forward_maybe_with_nosync(inputs)
+            if stage_index == stages - 1:
+                with loss_parallel():
+                    total = args.global_batch_size * args.config.max_seq_len
+                    output = F.cross_entropy(output.flatten(0, 1), tokens.flatten(), reduction="sum") * dp / total
+            kept[stage_index, i] = (inputs, output)
+        elif action in ("B", "I"):  # W, the weights' part of a zero-bubble backward, is done here with the rest
+            inputs, output = kept.pop((stage_index, i))
+            grads = None if stage_index == stages - 1 else torch.empty_like(output)
+            with loss_parallel():
+                stage.backward_maybe_with_nosync("full", {"stage_output": output, "output_grads": grads,
+                                                          "input_values": [inputs] if stage_index else []})
+    for stage in by_index.values():
+        stage.perform_reduce_grad(1)
+
+
+def report(args, result):
+    print(f"{args.model} | {result['total']:,} parameters | rank {args.rank} of {args.world_size}")
+    print(result["peak"])
+    per = defaultdict(lambda: [0, 0, 0])
+    for kind, name, size in result["collectives"]:
+        dim, n = result["groups"].get(name, (name, 1))
+        key = (kind, dim)
+        per[key][0] += 1
+        per[key][1] += size
+        per[key][2] += wire_bytes(kind, size, n, args.backend)
+    for (kind, dim), (count, size, wire) in per.items():
+        print(f"{kind} over {dim}: {count} calls, {size:,} bytes of tensors, {wire:,.0f} on the wire")
+    print(f"FLOPs {result['flops']:,} | {result['seconds']:.1f}s")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=list(MODELS), default="steps")
+    parser.add_argument("--world_size", type=int, default=8)
+    parser.add_argument("--dp_replicate", type=int, default=1)
+    parser.add_argument("--dp_shard", type=int)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--microbatches", type=int)
+    parser.add_argument("--global_batch_size", type=int, default=16)
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden"):
+        parser.add_argument(f"--{name}", type=int)
+    args = parser.parse_args(argv)
+    sizes = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden")
+             if getattr(args, name)}
+    args.config = replace(MODELS[args.model], **sizes, max_seq_len=args.seq_len)
+    args.dp_shard = args.dp_shard or args.world_size // (args.dp_replicate * args.tp * args.pp)
+    stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
+    args.microbatches = args.microbatches or stages
+    return args
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    report(arguments, trace(arguments))

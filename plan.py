@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import flop_registry
 
 from language_model import Decoder, DecoderConfig
-from nd_parallel import (DIMS, LOOPED, SCHEDULES, V_SHAPED, apply_fsdp, apply_tp, build_stage, settle_grads,
-                         stage_indices)
+from nd_parallel import (DIMS, LOOPED, SCHEDULES, V_SHAPED, apply_fsdp, apply_tp, build_stage, check_model,
+                         positive_int, settle_grads, stage_indices)
 
 # Llama 3's shapes (Meta's config.json of Llama-3.1-8B and -70B): the decoder of steps 6 to 8 at their sizes.
 MODELS = {
@@ -53,6 +53,10 @@ MODELS = {
                                 rope_theta=500000.0),
 }
 GiB = 1024 ** 3
+# gloo's framing, as benchmarks/parallel_bytes.py counts it on the sockets (docs/parallel-measured.md): each message
+# of a ring's step 288 bytes of headers and notifications beside the data (576 an all-reduce of 2 ranks, 288 an
+# all-gather), each pipeline send 144.
+GLOO_FRAMING, GLOO_SEND = 288, 144
 aten, c10d, functional = torch.ops.aten, torch.ops.c10d, torch.ops._c10d_functional
 # Each collective: (its kind, the tensor whose bytes count, where its process group or group name is).
 # Each collective: its kind, the argument whose bytes count (an all-gather's input: this rank's part) and the
@@ -206,7 +210,7 @@ def trace(args):
             if not fsdp_root:
                 tracker.track_external(*parts, *optimizers)
             with local_ops_only(), tracker, step:
-                run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker)
+                sends = run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker)
                 settle_grads(parts)
                 for optimizer in optimizers:
                     optimizer.step()
@@ -222,7 +226,7 @@ def trace(args):
     finally:
         dist.destroy_process_group()
     return {"parts": parts, "indices": indices, "total": total, "collectives": step.calls,
-            "groups": groups, "flops": step.flops, "peak": peak, "actions": actions, "held": held,
+            "groups": groups, "flops": step.flops, "peak": peak, "actions": actions, "held": held, "sends": sends,
             "microbatch": (batch, seq, dim, tp), "seconds": time.perf_counter() - start, "stages": stages}
 
 
@@ -244,10 +248,13 @@ def run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker):
     """The rank's actions of one step, each by the stage's own methods: forward of a micro-batch, its backward
     (full, or input then weight), and at the end the reduction of the gradients (FSDP's reduce-scatter)."""
     kept = {}  # (stage, micro-batch): (its inputs, its output)
+    sends = []  # (to stage, bytes): what the pipeline sends, where the stage is on another rank
     for stage_index, action, i in actions:
         stage = by_index[stage_index]
         if action == "F":
-            tracker.reset_mod_stats()  # its per-module figures, which take one forward a step; the peak stays
+            # The trackers keep figures per module and take a second forward of a root module for a second step:
+            # each micro-batch's forward starts the root's figures afresh (the peak, kept apart, stays).
+            tracker.memory_tracking.pop(stage.submod, None)
             inputs = tokens if stage_index == 0 else hidden.clone().requires_grad_()
             output = stage.forward_maybe_with_nosync(inputs)
             if stage_index == stages - 1:
@@ -255,57 +262,145 @@ def run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker):
                     total = args.global_batch_size * args.config.max_seq_len
                     output = F.cross_entropy(output.flatten(0, 1), tokens.flatten(), reduction="sum") * dp / total
             kept[stage_index, i] = (inputs, output)
+            if stage_index < stages - 1:  # the activation, to the next stage
+                sends.append((stage_index + 1, local(output).numel() * local(output).element_size()))
         elif action in ("B", "I"):  # W, the weights' part of a zero-bubble backward, is done here with the rest
             inputs, output = kept.pop((stage_index, i))
             grads = None if stage_index == stages - 1 else torch.empty_like(output)
             with loss_parallel():
                 stage.backward_maybe_with_nosync("full", {"stage_output": output, "output_grads": grads,
                                                           "input_values": [inputs] if stage_index else []})
+            if stage_index > 0:  # the gradient of its input, to the stage before
+                sends.append((stage_index - 1, inputs.numel() * inputs.element_size()))
     for stage in by_index.values():
         stage.perform_reduce_grad(1)
+    return [(to, size) for to, size in sends if to not in by_index]
+
+
+def traffic(result, backend):
+    """[(kind, mesh dimension, ranks, calls, bytes of the tensors, bytes sent)] of one rank's step: collectives by
+    the ring's counts, pipeline sends as they are; with gloo, its framing too (GLOO_FRAMING, GLOO_SEND)."""
+    rows = defaultdict(lambda: [0, 0, 0.0])
+    for kind, name, size in result["collectives"]:
+        dim, n = result["groups"].get(name, (name, 1))
+        row = rows[kind, dim, n]
+        row[0] += 1
+        row[1] += size
+        steps = (n - 1) * (1 if kind == "all-gather" else 2)  # a ring's steps: each sends one message
+        row[2] += wire_bytes(kind, size, n, backend) + (GLOO_FRAMING * steps if backend == "gloo" else 0)
+    for _, size in result["sends"]:
+        row = rows["send", "pp", 2]
+        row[0] += 1
+        row[1] += size
+        row[2] += size + (GLOO_SEND if backend == "gloo" else 0)
+    return [(kind, dim, n, *values) for (kind, dim, n), values in rows.items()]
+
+
+def gib(size):
+    return f"{size / GiB:.3f} GiB" if size >= GiB / 100 else f"{size / 1024 ** 2:.3f} MiB"
 
 
 def report(args, result):
-    print(f"{args.model} | {result['total']:,} parameters | rank {args.rank} of {args.world_size}")
-    print(result["peak"])
-    per = defaultdict(lambda: [0, 0, 0])
-    for kind, name, size in result["collectives"]:
-        dim, n = result["groups"].get(name, (name, 1))
-        key = (kind, dim)
-        per[key][0] += 1
-        per[key][1] += size
-        per[key][2] += wire_bytes(kind, size, n, args.backend)
-    for (kind, dim), (count, size, wire) in per.items():
-        print(f"{kind} over {dim}: {count} calls, {size:,} bytes of tensors, {wire:,.0f} on the wire")
-    print(f"FLOPs {result['flops']:,} | {result['seconds']:.1f}s")
+    """What the rank holds, its peak memory, what it sends and computes in a step, as lines."""
+    c, m = args.config, args.microbatches
+    dp = args.dp_replicate * args.dp_shard
+    layout = " x ".join(f"{name} {size}" for name, size in zip(DIMS, (args.pp, args.dp_replicate, args.dp_shard,
+                                                                       args.tp)))
+    held, peak = result["held"], result["peak"]
+    stages = ", ".join(map(str, result["indices"]))
+    lines = [f"Plan: {args.model} (dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads, {c.n_kv_heads} key/value "
+             f"heads, MLP {c.hidden}, vocabulary {c.vocab_size}: {result['total']:,} parameters) | rank "
+             f"{args.rank} of {args.world_size} | mesh {layout} | {args.global_batch_size // dp} sequences of "
+             f"{c.max_seq_len} a data-parallel rank, in {m} micro-batch{'es' * (m > 1)} | float32, AdamW",
+             f"Method: nd_parallel.py's step of this rank traced in {result['seconds']:.1f}s with a fake process "
+             f"group and fake tensors: stage{'s' * (len(result['indices']) > 1)} {stages} of {result['stages']}, "
+             f"each micro-batch's forward and backward in {args.schedule}'s order on this rank (a zero-bubble "
+             "schedule's weight gradients with the rest), then the gradients reduced and AdamW's step; pipeline "
+             "sends from the stages' shapes (they are not collectives)",
+             f"Holds: parameters {gib(held['parameters'])}, gradients {gib(held['gradients'])}, AdamW state "
+             f"{gib(held['optimizer'])} (of the whole model's {gib(4 * result['total'])} of parameters)",
+             f"Peak memory: {gib(peak.get('Total', 0))} = " + ", ".join(
+                 f"{str(getattr(kind, 'value', kind)).lower()} {gib(size)}" for kind, size in peak.items()
+                 if kind != "Total" and size) + " (FSDPMemTracker, or MemTracker without FSDP; no allocator's "
+             "rounding or fragmentation, no communication buffers of the backend, no CUDA context)"]
+    rows = traffic(result, args.backend)
+    lines.append(f"Sent a step, by this rank ({args.backend}: " + (
+        "a ring; reduce-scatter sends 2(n-1)/n of its tensor, as an all-reduce, plus gloo's framing)"
+        if args.backend == "gloo" else "a ring; all-gather (n-1)/n of the output, reduce-scatter (n-1)/n of the "
+        "input, all-reduce 2(n-1)/n)"))
+    for kind, dim, n, calls, size, sent in sorted(rows, key=lambda row: -row[-1]):
+        lines.append(f"  {kind:<15} over {dim:<12} ({n:>5} ranks) | {calls:>4} calls | tensors {size:>16,} bytes | "
+                     f"sent {sent:>16,.0f} bytes")
+    lines.append(f"  total sent {sum(row[-1] for row in rows):,.0f} bytes")
+    tokens = args.global_batch_size // dp * c.max_seq_len
+    lines.append(f"FLOPs: {result['flops']:.4g} a step on this rank ({result['flops'] / tokens:,.0f} a token of its "
+                 "data-parallel part; matrix products and attention, causal attention counted whole as "
+                 "FlopCounterMode does)")
+    return lines
+
+
+def check(parser, args):
+    """The layout against the world, the model and the batch: one line for the first that does not fit."""
+    if args.world_size < 1 or args.world_size > 1 << 17:
+        parser.error(f"--world_size {args.world_size}: give 1 to 131,072")
+    split = args.dp_replicate * args.tp * args.pp
+    if args.world_size % split:
+        parser.error(f"--dp_replicate {args.dp_replicate} x --tp {args.tp} x --pp {args.pp} = {split} does not "
+                     f"divide --world_size {args.world_size}")
+    args.dp_shard = args.dp_shard or args.world_size // split
+    if args.dp_shard * split != args.world_size:
+        parser.error(f"--pp {args.pp} x --dp_replicate {args.dp_replicate} x --dp_shard {args.dp_shard} x --tp "
+                     f"{args.tp} = {args.dp_shard * split}, not --world_size {args.world_size}")
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f"--rank {args.rank}: not a rank of --world_size {args.world_size}")
+    check_model(parser, args.config, args.tp)
+    stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
+    args.microbatches = args.microbatches or stages
+    if stages > args.config.n_layers:
+        parser.error(f"{stages} stages (--pp {args.pp}, schedule {args.schedule}) are more than the "
+                     f"{args.config.n_layers} layers: each stage needs one")
+    dp = args.dp_replicate * args.dp_shard
+    if args.global_batch_size % (dp * args.microbatches):
+        parser.error(f"dp {dp} x --microbatches {args.microbatches} must divide --global_batch_size "
+                     f"{args.global_batch_size}: every micro-batch has one shape")
+    if args.schedule in ("1f1b", "interleaved_1f1b") and args.microbatches < args.pp:
+        parser.error(f"{args.schedule} needs at least one micro-batch a rank: --microbatches {args.microbatches} < "
+                     f"--pp {args.pp}")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A bad flag or layout: one line, exit 2, before any work."""
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=list(MODELS), default="steps")
-    parser.add_argument("--world_size", type=int, default=8)
-    parser.add_argument("--dp_replicate", type=int, default=1)
-    parser.add_argument("--dp_shard", type=int)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    parser.add_argument("--microbatches", type=int)
-    parser.add_argument("--global_batch_size", type=int, default=16)
-    parser.add_argument("--seq_len", type=int, default=64)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=list(MODELS), default="steps",
+                        help="steps: language_model.DecoderConfig's defaults (the --dim ... flags change them)")
+    parser.add_argument("--world_size", type=positive_int, default=8, help="ranks (GPUs) of the job")
+    parser.add_argument("--dp_replicate", type=positive_int, default=1, help="HSDP: replicas of the shards")
+    parser.add_argument("--dp_shard", type=positive_int, help="FSDP2 ranks (default: what the others leave)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline ranks")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="default 1f1b")
+    parser.add_argument("--microbatches", type=positive_int, help="micro-batches a step (default: the stages)")
+    parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences a step, all ranks")
+    parser.add_argument("--seq_len", type=positive_int, default=64, help="tokens a sequence (default 64)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank to trace (default 0)")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
+                        help="whose reduce-scatter and framing the bytes sent count (default nccl)")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden"):
-        parser.add_argument(f"--{name}", type=int)
+        parser.add_argument(f"--{name}", type=positive_int, help=f"the model's {name}, instead of --model's")
     args = parser.parse_args(argv)
     sizes = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden")
              if getattr(args, name)}
     args.config = replace(MODELS[args.model], **sizes, max_seq_len=args.seq_len)
-    args.dp_shard = args.dp_shard or args.world_size // (args.dp_replicate * args.tp * args.pp)
-    stages = args.pp * (2 if args.schedule in LOOPED | V_SHAPED else 1)
-    args.microbatches = args.microbatches or stages
+    check(parser, args)
     return args
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    report(arguments, trace(arguments))
+    print("\n".join(report(arguments, trace(arguments))))

@@ -36,6 +36,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
@@ -134,6 +135,16 @@ def local_ops_only():
         ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
 
+def forget_meshes():
+    """DTensor caches its sharding decisions by the mesh's shape, with the mesh in them: a second trace in one
+    process (a mesh of the same shape, new process groups) would send to the first one's groups. Cleared first."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
+
+
 def mesh_groups(mesh):
     """{process group name: (the mesh dimension it is, its size)} for this rank's mesh."""
     groups = {}
@@ -168,6 +179,7 @@ def local(tensor):
 def trace(args):
     """One step of rank args.rank, traced: a dict of what it holds, sends and computes."""
     start = time.perf_counter()
+    forget_meshes()
     store = FakeStore()
     dist.init_process_group("fake", rank=args.rank, world_size=args.world_size, store=store)
     try:

@@ -94,8 +94,9 @@ class Step(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.flops = 0
-        self.calls = []  # (kind, group name, bytes of the tensor)
+        self.flops = defaultdict(int)  # {micro-batch (None: outside them): FLOPs}
+        self.calls = []  # (kind, group name, bytes of the tensor, micro-batch)
+        self.microbatch = None  # the one whose forward or backward runs now
 
     def __enter__(self):
         self.fake_mode = active_fake_mode()
@@ -112,9 +113,9 @@ class Step(TorchDispatchMode):
             tensor = args[tensor][0] if isinstance(args[tensor], list) else args[tensor]
             group = args[group]
             name = group if isinstance(group, str) else dist.ProcessGroup.unbox(group).group_name
-            self.calls.append((kind, name, tensor.numel() * tensor.element_size()))
+            self.calls.append((kind, name, tensor.numel() * tensor.element_size(), self.microbatch))
         elif func._overloadpacket in FLOPS:
-            self.flops += FLOPS[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+            self.flops[self.microbatch] += FLOPS[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
         return out
 
 
@@ -197,8 +198,13 @@ def trace(args):
         schedule = SCHEDULES[args.schedule](pipeline if len(parts) > 1 else pipeline[0], n_microbatches=m,
                                             loss_fn=None, scale_grads=False)
         if isinstance(schedule, PipelineScheduleSingle):
-            actions = single_stage_order(args.schedule, indices[0], stages, m)
+            # 1F1B keeps at most `warmup` micro-batches in flight: after warmup + 1 of them, each further one
+            # repeats the last one's work and memory (shapes alike). Traced: warmup + 1; the rest added.
+            warmup = min(m, stages - indices[0])
+            traced = m if args.schedule == "gpipe" or args.every_microbatch else min(m, warmup + 1)
+            actions = single_stage_order(args.schedule, indices[0], stages, traced)
         else:  # the action list the schedule itself runs on this rank
+            traced = m
             actions = [(a.stage_index, a.computation_type.value, a.microbatch_index)
                        for a in schedule.pipeline_order[mesh["pp"].get_local_rank()] if a is not None]
         by_index = dict(zip(indices, pipeline))
@@ -222,7 +228,7 @@ def trace(args):
             if not fsdp_root:
                 tracker.track_external(*parts, *optimizers)
             with local_ops_only(), tracker, step:
-                sends = run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker)
+                sends = run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker, step)
                 settle_grads(parts)
                 for optimizer in optimizers:
                     optimizer.step()
@@ -237,8 +243,13 @@ def trace(args):
                                      if isinstance(v, torch.Tensor))}
     finally:
         dist.destroy_process_group()
-    return {"parts": parts, "indices": indices, "total": total, "collectives": step.calls,
-            "groups": groups, "flops": step.flops, "peak": peak, "actions": actions, "held": held, "sends": sends,
+    # The micro-batches not traced: each as the last traced one.
+    more, last = m - traced, traced - 1
+    calls = step.calls + [call for call in step.calls if call[-1] == last] * more
+    sends += [send for send in sends if send[-1] == last] * more
+    flops = sum(step.flops.values()) + step.flops[last] * more
+    return {"parts": parts, "indices": indices, "total": total, "collectives": calls, "traced": traced,
+            "groups": groups, "flops": flops, "peak": peak, "actions": actions, "held": held, "sends": sends,
             "microbatch": (batch, seq, dim, tp), "seconds": time.perf_counter() - start, "stages": stages}
 
 
@@ -256,18 +267,25 @@ def single_stage_order(schedule, stage, stages, m):
     return order
 
 
-def run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker):
+def run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker, step):
     """The rank's actions of one step, each by the stage's own methods: forward of a micro-batch, its backward
     (full, or input then weight), and at the end the reduction of the gradients (FSDP's reduce-scatter)."""
     kept = {}  # (stage, micro-batch): (its inputs, its output)
     sends = []  # (to stage, bytes): what the pipeline sends, where the stage is on another rank
+    # A stage's buffers, one a micro-batch, kept from its first step on (PipelineStage._prepare_forward_infra and
+    # _prepare_backward_infra): the activations it receives (all but the first stage), the gradients it receives
+    # for its output (all but the last).
+    m = args.microbatches
+    inbox = {(s, i): torch.empty_like(hidden) for s in by_index if s > 0 for i in range(m)}
+    grad_inbox = {(s, i): torch.empty_like(hidden) for s in by_index if s < stages - 1 for i in range(m)}
     for stage_index, action, i in actions:
         stage = by_index[stage_index]
+        step.microbatch = i
         if action == "F":
             # The trackers keep figures per module and take a second forward of a root module for a second step:
             # each micro-batch's forward starts the root's figures afresh (the peak, kept apart, stays).
             tracker.memory_tracking.pop(stage.submod, None)
-            inputs = tokens if stage_index == 0 else hidden.clone().requires_grad_()
+            inputs = tokens if stage_index == 0 else inbox[stage_index, i].detach().requires_grad_()
             output = stage.forward_maybe_with_nosync(inputs)
             if stage_index == stages - 1:
                 with loss_parallel():
@@ -275,32 +293,33 @@ def run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker):
                     output = F.cross_entropy(output.flatten(0, 1), tokens.flatten(), reduction="sum") * dp / total
             kept[stage_index, i] = (inputs, output)
             if stage_index < stages - 1:  # the activation, to the next stage
-                sends.append((stage_index + 1, local(output).numel() * local(output).element_size()))
+                sends.append((stage_index + 1, local(output).numel() * local(output).element_size(), i))
         elif action in ("B", "I"):  # W, the weights' part of a zero-bubble backward, is done here with the rest
             inputs, output = kept.pop((stage_index, i))
-            grads = None if stage_index == stages - 1 else torch.empty_like(output)
+            grads = grad_inbox.get((stage_index, i))  # None on the last stage: the loss starts the backward
             with loss_parallel():
                 stage.backward_maybe_with_nosync("full", {"stage_output": output, "output_grads": grads,
                                                           "input_values": [inputs] if stage_index else []})
             if stage_index > 0:  # the gradient of its input, to the stage before
-                sends.append((stage_index - 1, inputs.numel() * inputs.element_size()))
+                sends.append((stage_index - 1, inputs.numel() * inputs.element_size(), i))
+    step.microbatch = None
     for stage in by_index.values():
         stage.perform_reduce_grad(1)
-    return [(to, size) for to, size in sends if to not in by_index]
+    return [(to, size, i) for to, size, i in sends if to not in by_index]
 
 
 def traffic(result, backend):
     """[(kind, mesh dimension, ranks, calls, bytes of the tensors, bytes sent)] of one rank's step: collectives by
     the ring's counts, pipeline sends as they are; with gloo, its framing too (GLOO_FRAMING, GLOO_SEND)."""
     rows = defaultdict(lambda: [0, 0, 0.0])
-    for kind, name, size in result["collectives"]:
+    for kind, name, size, _ in result["collectives"]:
         dim, n = result["groups"].get(name, (name, 1))
         row = rows[kind, dim, n]
         row[0] += 1
         row[1] += size
         steps = (n - 1) * (1 if kind == "all-gather" else 2)  # a ring's steps: each sends one message
         row[2] += wire_bytes(kind, size, n, backend) + (GLOO_FRAMING * steps if backend == "gloo" else 0)
-    for _, size in result["sends"]:
+    for _, size, _ in result["sends"]:
         row = rows["send", "pp", 2]
         row[0] += 1
         row[1] += size
@@ -328,7 +347,10 @@ def report(args, result):
              f"group and fake tensors: stage{'s' * (len(result['indices']) > 1)} {stages} of {result['stages']}, "
              f"each micro-batch's forward and backward in {args.schedule}'s order on this rank (a zero-bubble "
              "schedule's weight gradients with the rest), then the gradients reduced and AdamW's step; pipeline "
-             "sends from the stages' shapes (they are not collectives)",
+             "sends from the stages' shapes (they are not collectives)" + (
+                 f"; {result['traced']} of the {m} micro-batches traced, the other {m - result['traced']} added as "
+                 "copies of the last (1F1B holds no more in flight after the first ones: the same work, bytes and "
+                 "peak)" if result["traced"] < m else ""),
              f"Holds: parameters {gib(held['parameters'])}, gradients {gib(held['gradients'])}, AdamW state "
              f"{gib(held['optimizer'])} (of the whole model's {gib(4 * result['total'])} of parameters)",
              f"Peak memory: {gib(peak.get('Total', 0))} = " + ", ".join(
@@ -401,6 +423,9 @@ def parse_args(argv=None):
     parser.add_argument("--global_batch_size", type=positive_int, default=16, help="sequences a step, all ranks")
     parser.add_argument("--seq_len", type=positive_int, default=64, help="tokens a sequence (default 64)")
     parser.add_argument("--rank", type=int, default=0, help="the rank to trace (default 0)")
+    parser.add_argument("--every_microbatch", action="store_true",
+                        help="trace every micro-batch (1F1B: by default those after the first warmup + 1 are added "
+                        "as copies of the last traced one, which they equal)")
     parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
                         help="whose reduce-scatter and framing the bytes sent count (default nccl)")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden"):

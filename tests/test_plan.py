@@ -101,3 +101,19 @@ def test_bad_layout_one_line(flags, says):
                           cwd=REPO)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+
+
+@pytest.mark.quick
+def test_plan_of_fewer_microbatches_is_exact():
+    """1F1B traced over its first warmup + 1 micro-batches, the rest added as copies of the last: the same bytes,
+    FLOPs and peak as tracing all 8, on the first stage and the last."""
+    for rank in (0, 4):
+        said = []
+        for every in ([], ["--every_microbatch"]):
+            done = subprocess.run([sys.executable, "plan.py", *MODEL.split(), "--world_size", "8", "--dp_shard", "2",
+                                   "--tp", "2", "--pp", "2", "--microbatches", "8", "--rank", str(rank), *every],
+                                  capture_output=True, text=True, timeout=300, cwd=REPO)
+            assert done.returncode == 0, done.stderr[-2000:]
+            said.append([line for line in done.stdout.splitlines() if not line.startswith("Method:")])
+        assert said[0] == said[1]
+        assert any(line.startswith("Peak memory:") for line in said[0])

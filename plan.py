@@ -173,6 +173,40 @@ def build(args, mesh):
     return parts, indices, total
 
 
+def memory_tracker(parts, optimizers):
+    """FSDPMemTracker where the rank holds one FSDP2 part (its categories: sharded and unsharded parameters and
+    gradients ...), MemTracker otherwise: for the planner, and for a real step (peak_of_step)."""
+    if len(parts) == 1 and isinstance(parts[0], FSDPModule):
+        return FSDPMemTracker(parts[0], optimizers[0])
+    tracker = MemTracker()
+    tracker.track_external(*parts, *optimizers)
+    return tracker
+
+
+def peak_of_step(trainer, run):
+    """(run()'s result, the peak bytes of the real step it runs): a Trainer of steps 6 to 8 (its parts, optimizers
+    and stages) under memory_tracker, its stages' receive buffers added, as the planner counts them. For
+    benchmarks/parallel_bytes.py, which compares them with the planner's."""
+    tracker = memory_tracker(trainer.parts, trainer.optimizers)
+    stages = getattr(trainer, "stages", [])  # tensor_parallel.py runs no schedule
+    for stage in stages:
+        def forward(*args, stage=stage, forward=stage.forward_maybe_with_nosync, **kwargs):
+            tracker.memory_tracking.pop(stage.submod, None)  # each micro-batch's forward: as in run_actions
+            return forward(*args, **kwargs)
+        stage.forward_maybe_with_nosync = forward
+    try:
+        with tracker:
+            result = run()
+    finally:
+        for stage in stages:
+            del stage.forward_maybe_with_nosync  # the class's method again
+    infos = [info for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
+             for chunk in table.values() for info in chunk]
+    buffers = sum(info.buffer.numel() * info.buffer.element_size() for info in infos
+                  if isinstance(getattr(info, "buffer", None), torch.Tensor))
+    return result, next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"] + buffers
+
+
 def local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -223,17 +257,20 @@ def trace(args):
                 optimizer.zero_grad(set_to_none=True)
             tokens = torch.zeros(batch, seq, dtype=torch.long)
             hidden = torch.zeros(batch, seq // tp, dim, dtype=dtype)
-            fsdp_root = len(parts) == 1 and isinstance(parts[0], FSDPModule)
-            tracker = FSDPMemTracker(parts[0], optimizers[0]) if fsdp_root else MemTracker()
-            if not fsdp_root:
-                tracker.track_external(*parts, *optimizers)
+            # A stage's buffers, one a micro-batch, made in its first step and kept (PipelineStage's
+            # _prepare_forward_infra and _prepare_backward_infra): the activations it receives (all but the first
+            # stage) and the gradients of its output (all but the last). Outside the tracker, added to its peak.
+            inbox = {(s, i): torch.empty_like(hidden) for s in indices if s > 0 for i in range(m)}
+            grad_inbox = {(s, i): torch.empty_like(hidden) for s in indices if s < stages - 1 for i in range(m)}
+            buffers = sum(t.numel() * t.element_size() for t in [*inbox.values(), *grad_inbox.values()])
+            tracker = memory_tracker(parts, optimizers)
             with local_ops_only(), tracker, step:
-                sends = run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker, step)
+                sends = run_actions(actions, by_index, stages, tokens, (inbox, grad_inbox), dp, args, tracker, step)
                 settle_grads(parts)
                 for optimizer in optimizers:
                     optimizer.step()
-            peak = tracker.get_tracker_snapshot("peak")
-            peak = next(iter(peak.values())) if peak else {}
+            peak = {**next(iter(tracker.get_tracker_snapshot("peak").values())), "pipeline buffers": buffers}
+            peak["Total"] += buffers
             held = {"parameters": sum(local(p).numel() * local(p).element_size() for part in parts
                                       for p in part.parameters()),
                     "gradients": sum(local(p.grad).numel() * local(p.grad).element_size() for part in parts
@@ -267,17 +304,12 @@ def single_stage_order(schedule, stage, stages, m):
     return order
 
 
-def run_actions(actions, by_index, stages, tokens, hidden, dp, args, tracker, step):
+def run_actions(actions, by_index, stages, tokens, inboxes, dp, args, tracker, step):
     """The rank's actions of one step, each by the stage's own methods: forward of a micro-batch, its backward
     (full, or input then weight), and at the end the reduction of the gradients (FSDP's reduce-scatter)."""
     kept = {}  # (stage, micro-batch): (its inputs, its output)
     sends = []  # (to stage, bytes): what the pipeline sends, where the stage is on another rank
-    # A stage's buffers, one a micro-batch, kept from its first step on (PipelineStage._prepare_forward_infra and
-    # _prepare_backward_infra): the activations it receives (all but the first stage), the gradients it receives
-    # for its output (all but the last).
-    m = args.microbatches
-    inbox = {(s, i): torch.empty_like(hidden) for s in by_index if s > 0 for i in range(m)}
-    grad_inbox = {(s, i): torch.empty_like(hidden) for s in by_index if s < stages - 1 for i in range(m)}
+    inbox, grad_inbox = inboxes  # the stages' receive buffers
     for stage_index, action, i in actions:
         stage = by_index[stage_index]
         step.microbatch = i

@@ -95,6 +95,7 @@ import contextlib, importlib, io, json, os, socket, struct, sys, time
 sys.path.insert(0, {repo!r})
 import torch
 import torch.distributed as dist
+from plan import peak_of_step
 
 # Offsets in Linux's struct tcp_info (linux/tcp.h, kernel 4.19+): tcpi_notsent_bytes (u32), tcpi_bytes_sent and
 # tcpi_bytes_retrans (u64).
@@ -128,17 +129,21 @@ def sockets():
 
 def counted(module):
     """Wrap the script's Trainer._run_batch: (time, every socket's bytes sent) before and after each step."""
-    steps = []
+    steps, peaks = [], []
     run_batch = module.Trainer._run_batch
 
     def wrapped(self, *args, **kwargs):
         before = (time.perf_counter(), sockets())
-        result = run_batch(self, *args, **kwargs)
+        if len(steps) == 1:  # the second step, the first steady one: its peak memory too, as plan.py counts it
+            result, peak = peak_of_step(self, lambda: run_batch(self, *args, **kwargs))
+            peaks.append(peak)
+        else:
+            result = run_batch(self, *args, **kwargs)
         steps.append((before, (time.perf_counter(), sockets())))
         return result
 
     module.Trainer._run_batch = wrapped
-    return steps, run_batch
+    return steps, run_batch, peaks
 
 
 def calibrate(size=1 << 18):
@@ -181,7 +186,7 @@ for index, (name, script, arguments, change) in enumerate(layouts):
         from benchmarks.parallel_bytes import plain_loop
         plain.append(plain_loop(arguments))
     module = importlib.import_module(script[:-3])
-    steps, run_batch = counted(module)
+    steps, run_batch, peaks = counted(module)
     arguments = [*arguments, "--snapshot_path", os.path.join(out, f"checkpoints-{{index}}")]
     if change == "reshard":  # FSDP2's other choice under a pipeline: reshard after each micro-batch's forward
         shard = module.fully_shard
@@ -195,7 +200,7 @@ for index, (name, script, arguments, change) in enumerate(layouts):
         if change == "reshard":
             module.fully_shard = shard
     summary = [line for line in "".join(tee.kept).splitlines() if line.startswith("Summary:")]
-    records.append({{"name": name, "summary": summary[0] if summary else None,
+    records.append({{"name": name, "summary": summary[0] if summary else None, "peak_bytes": (peaks or [None])[0],
                     "steps": [[[t, list(map(list, c.items()))] for t, c in pair] for pair in steps]}})
     dist.barrier()
 with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
@@ -412,6 +417,7 @@ def run_job(world_size, plan, args, tmp):
     if done.returncode != 0:  # the script's one line, or the output's last
         lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("=" * 10)]
         said = next((line for line in lines if "error:" in line), (lines or ["no output"])[-1])
+        print(done.stderr[-6000:], file=sys.stderr)
         raise common.UsageError(f"the {world_size}-process job failed (exit {done.returncode}): {said.strip()}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
 
@@ -435,6 +441,7 @@ def run_world(world_size, layouts, args, tmp, data):
             textbook = sum(formula(mesh, record["rank"], args.global_batch_size, reshard=change == "reshard")
                            .values())
             rows.append({"rank": record["rank"], "bytes_per_step": per_step, "to": to, "between_steps": between,
+                         "peak_bytes": record["layouts"][index]["peak_bytes"],
                          "formula": parts, "formula_bytes": sum(parts.values()), "textbook_bytes": textbook,
                          "ratio": per_step / sum(parts.values()), "step_s": seconds})
         step_s = max(row["step_s"] for row in rows)

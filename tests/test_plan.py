@@ -28,7 +28,7 @@ for name, flags, world_size, ranks in json.loads(sys.argv[1]):
         args = plan.parse_args([*flags.split(), *{model!r}.split(), "--world_size", str(world_size), "--rank",
                                 str(rank), "--backend", "gloo"])
         result = plan.trace(args)
-        found[f"{{name}} {{rank}}"] = sum(row[-1] for row in plan.traffic(result, "gloo"))
+        found[f"{{name}} {{rank}}"] = (sum(row[-1] for row in plan.traffic(result, "gloo")), result["peak"]["Total"])
 print(json.dumps(found))
 """
 
@@ -49,7 +49,8 @@ def stage_of(rank, world_size, flags):
 
 
 def compare(planned, results):
-    """Every rank's counted bytes a step within 2% of the planner's for its stage."""
+    """Every rank's counted bytes a step within 2% of the planner's for its stage; its peak memory, where the run
+    measured it, within 15%."""
     by_name = {result["layout"]: result for result in results}
     for name, flags, world_size, traced in LAYOUTS:
         if name not in by_name:
@@ -57,8 +58,10 @@ def compare(planned, results):
         for row in by_name[name]["ranks"]:
             rank = next(r for r in traced if stage_of(r, world_size, flags) == stage_of(row["rank"], world_size,
                                                                                             flags))
-            plan_bytes = planned[f"{name} {rank}"]
+            plan_bytes, plan_peak = planned[f"{name} {rank}"]
             assert row["bytes_per_step"] == pytest.approx(plan_bytes, rel=0.02), (name, row["rank"], plan_bytes)
+            if "peak_bytes" in row:
+                assert row["peak_bytes"] == pytest.approx(plan_peak, rel=0.15), (name, row["rank"], plan_peak)
 
 
 @pytest.mark.quick

@@ -405,6 +405,126 @@ def report(args, result):
     return lines
 
 
+# A published configuration beside the search's rows: torchtitan's Llama 3 8B on 64 A100s of 80 GB, FSDP2 over
+# all 64, local batch 1 of 8,192 tokens, bf16 mixed precision, selective activation checkpointing: 2,904 tokens/s a
+# GPU, MFU 56.8% (github.com/pytorch/torchtitan, docs/performance.md, "Llama 3 performance numbers").
+PUBLISHED = {"llama3-8b": ("torchtitan, docs/performance.md: 64 A100 80GB, FSDP2 64, batch 1 x 8192, bf16, selective "
+                           "AC: 2,904 tokens/s a GPU, so 2.82 s a step", 64, (1, 1, 64, 1), 8192, 64, 8192 / 2904)}
+
+
+def inside_node(dim, layout, per_node):
+    """Whether a group of mesh dimension `dim` lies in one node: ranks are numbered node by node, the mesh
+    pp x dp_replicate x dp_shard x tp row-major (tp's ranks neighbours)."""
+    sizes = dict(zip(DIMS, layout))
+    stride = 1
+    for name in reversed(DIMS):
+        if name == dim:
+            return stride * sizes[name] <= per_node
+        stride *= sizes[name]
+    return False
+
+
+def estimate(result, args, layout, m):
+    """(step seconds, its parts) of a traced rank, by the search's stated model (assumptions())."""
+    compute = result["flops"] / (args.gpu_flops * args.utilization)
+    exposed = overlapped = 0.0
+    for _, dim, _, _, _, sent in traffic(result, "nccl"):
+        link = args.intra_node if inside_node(dim, layout, args.gpus_per_node) else args.inter_node
+        if dim in ("dp_shard", "dp_replicate"):
+            overlapped += sent / link
+        else:
+            exposed += sent / link
+    pp = layout[0]
+    busy = compute + exposed
+    bubble = busy * (pp - 1) / m
+    return max(busy + bubble, overlapped), {"compute": compute, "tp and pp": exposed, "bubble": bubble,
+                                           "FSDP": overlapped}
+
+
+def assumptions(args):
+    return [f"Search: {args.model}, {args.gpus:,} GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} a node; "
+            f"global batch {args.global_batch_size} x {args.seq_len} tokens; float32 weights, AdamW, no activation "
+            "checkpointing (what nd_parallel.py runs)",
+            "Assumed: a layout fits where the traced peak is at most the GPU's memory less "
+            f"{100 * args.reserve:g}% (CUDA context, NCCL's buffers, the allocator's fragmentation); compute at "
+            f"{100 * args.utilization:g}% of {args.gpu_flops:.3g} FLOP/s; each collective a ring at "
+            f"{args.intra_node:.3g} bytes/s a GPU inside a node, {args.inter_node:.3g} between nodes (a group whose "
+            "ranks span nodes at the slower); NCCL's byte counts (reduce-scatter (n-1)/n)",
+            "Assumed: FSDP's and HSDP's gathers and reductions overlap the compute (FSDP2 prefetches); TP's and the "
+            "pipeline's do not (no async TP); a pipeline idles (p-1)/m of its busy time (1F1B's bubble); step = "
+            "max(compute + TP + pipeline + bubble, FSDP)",
+            "Method: each layout traced (rank 0, and for a pipeline the last stage's first rank too: the larger "
+            "peak and the longer step), one micro-batch a sequence under a pipeline; layouts where tp divides the "
+            "heads and the node, pp the layers, in powers of 2"]
+
+
+def layouts(args):
+    """(pp, dp_replicate, dp_shard, tp, micro-batches) to try on args.gpus."""
+    c = args.config
+    found = []
+    tp = 1
+    while tp <= min(args.gpus_per_node, args.gpus):
+        if not any(size % tp for size in (c.n_heads, c.n_kv_heads, c.hidden, c.vocab_size, args.seq_len)):
+            pp = 1
+            while pp <= c.n_layers and tp * pp <= args.gpus:
+                dp = args.gpus // (tp * pp)
+                local = args.global_batch_size // dp if args.global_batch_size % dp == 0 else 0
+                m = 1 if pp == 1 else local
+                if dp * tp * pp == args.gpus and local and local % m == 0 and m >= pp:
+                    found.append((pp, 1, dp, tp, m))
+                    shard = args.gpus_per_node // tp  # HSDP: sharded inside a node, replicated across nodes
+                    if pp == 1 and 1 < shard < dp and dp % shard == 0:
+                        found.append((pp, dp // shard, shard, tp, m))
+                pp *= 2
+        tp *= 2
+    return found
+
+
+def search(args):
+    """The layouts that fit, fastest first, with the assumptions and the published configuration."""
+    lines = assumptions(args)
+    rows = []
+    published = PUBLISHED.get(args.model)
+    if published and published[1:2] + published[3:5] != (args.gpus, args.seq_len, args.global_batch_size):
+        published = None  # another job than the published one
+    tried = layouts(args)
+    if published:
+        tried.append((*published[2], 1))
+    for layout in dict.fromkeys(tried):
+        pp, replicate, shard, tp, m = layout
+        ranks = [0] + ([args.gpus - args.gpus // pp] if pp > 1 else [])
+        peak, step, parts = 0, 0, None
+        for rank in ranks:
+            one = argparse.Namespace(**{**vars(args), "world_size": args.gpus, "pp": pp, "dp_replicate": replicate,
+                                        "dp_shard": shard, "tp": tp, "microbatches": m, "rank": rank,
+                                        "schedule": "1f1b", "every_microbatch": False})
+            result = trace(one)
+            seconds, split = estimate(result, args, layout[:4], m)
+            peak = max(peak, result["peak"]["Total"])
+            if seconds > step:
+                step, parts = seconds, split
+        print(f"traced pp {pp} x dp_replicate {replicate} x dp_shard {shard} x tp {tp}: peak {gib(peak)}, "
+              f"step {step:.3g} s", file=sys.stderr, flush=True)
+        rows.append((layout, peak, step, parts))
+    fits = args.gpu_memory * GiB * (1 - args.reserve)
+    tokens = args.global_batch_size * args.seq_len
+    lines.append(f"{'rank':>4} | {'pp x dp_replicate x dp_shard x tp':>33} | {'m':>3} | {'peak GiB':>9} | "
+                 f"{'step s':>8} | {'tokens/s a GPU':>14} | compute, TP + pp, bubble, FSDP (s)")
+    ranked = sorted((row for row in rows if row[1] <= fits), key=lambda row: row[2])
+    for place, (layout, peak, step, parts) in enumerate(ranked, 1):
+        lines.append(f"{place:>4} | {' x '.join(map(str, layout[:4])):>33} | {layout[4]:>3} | {peak / GiB:>9.2f} | "
+                     f"{step:>8.3g} | {tokens / step / args.gpus:>14,.0f} | "
+                     + ", ".join(f"{value:.3g}" for value in parts.values()))
+    lines.append(f"Do not fit in {fits / GiB:.1f} GiB: " + (", ".join(
+        f"{' x '.join(map(str, layout[:4]))} ({peak / GiB:.1f} GiB)" for layout, peak, _, _ in rows
+        if peak > fits) or "none"))
+    if published:
+        layout, peak, step, _ = next(row for row in rows if row[0][:4] == published[2])
+        lines.append(f"Published: {published[0]}. This model's estimate of that layout: {step:.3g} s a step, "
+                     f"peak {peak / GiB:.1f} GiB in float32 without activation checkpointing")
+    return lines
+
+
 def check(parser, args):
     """The layout against the world, the model and the batch: one line for the first that does not fit."""
     if args.world_size < 1 or args.world_size > 1 << 17:
@@ -462,14 +582,39 @@ def parse_args(argv=None):
                         help="whose reduce-scatter and framing the bytes sent count (default nccl)")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden"):
         parser.add_argument(f"--{name}", type=positive_int, help=f"the model's {name}, instead of --model's")
+    search = parser.add_argument_group("search: the layouts of --gpus that fit, fastest first")
+    search.add_argument("--search", action="store_true", help="search instead of one layout")
+    search.add_argument("--gpus", type=positive_int, default=64, help="GPUs of the job (default 64)")
+    search.add_argument("--gpus_per_node", type=positive_int, default=8, help="GPUs a node (default 8)")
+    search.add_argument("--gpu_memory", type=float, default=80, help="GiB a GPU (default 80)")
+    search.add_argument("--gpu_flops", type=float, default=989e12,
+                        help="a GPU's peak FLOP/s at the weights' precision (default 989e12: an H100 SXM's dense "
+                        "bf16; float32 through TF32 the same on Hopper)")
+    search.add_argument("--utilization", type=float, default=0.4, help="the share of --gpu_flops the step's "
+                        "matrix products reach (default 0.4)")
+    search.add_argument("--intra_node", type=float, default=450e9,
+                        help="bytes/s a GPU sends inside a node (default 450e9: NVLink 4, one way)")
+    search.add_argument("--inter_node", type=float, default=50e9,
+                        help="bytes/s a GPU sends to other nodes (default 50e9: one 400 Gb/s NIC a GPU)")
+    search.add_argument("--reserve", type=float, default=0.1, help="share of a GPU's memory kept free (default 0.1)")
     args = parser.parse_args(argv)
     sizes = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden")
              if getattr(args, name)}
     args.config = replace(MODELS[args.model], **sizes, max_seq_len=args.seq_len)
-    check(parser, args)
+    if args.search:
+        if min(args.gpu_memory, args.gpu_flops, args.intra_node, args.inter_node, args.utilization) <= 0 or \
+                args.utilization > 1 or not 0 <= args.reserve < 1:
+            parser.error("--gpu_memory, --gpu_flops and the link speeds must be positive, --utilization in (0, 1], "
+                         "--reserve in [0, 1)")
+        check_model(parser, args.config, 1)
+        if not layouts(args):
+            parser.error(f"no layout of {args.gpus} GPUs divides the model, the node ({args.gpus_per_node}) and "
+                         f"--global_batch_size {args.global_batch_size}")
+    else:
+        check(parser, args)
     return args
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    print("\n".join(report(arguments, trace(arguments))))
+    print("\n".join(search(arguments) if arguments.search else report(arguments, trace(arguments))))

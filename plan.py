@@ -319,15 +319,16 @@ def run_actions(actions, by_index, stages, tokens, inboxes, dp, args, tracker, s
             tracker.memory_tracking.pop(stage.submod, None)
             inputs = tokens if stage_index == 0 else inbox[stage_index, i].detach().requires_grad_()
             output = stage.forward_maybe_with_nosync(inputs)
+            kept[stage_index, i] = (inputs, output, output)  # the stage keeps its output to the backward (fwd_cache)
             if stage_index == stages - 1:
                 with loss_parallel():
                     total = args.global_batch_size * args.config.max_seq_len
-                    output = F.cross_entropy(output.flatten(0, 1), tokens.flatten(), reduction="sum") * dp / total
-            kept[stage_index, i] = (inputs, output)
+                    loss = F.cross_entropy(output.flatten(0, 1), tokens.flatten(), reduction="sum") * dp / total
+                kept[stage_index, i] = (inputs, loss, output)
             if stage_index < stages - 1:  # the activation, to the next stage
                 sends.append((stage_index + 1, local(output).numel() * local(output).element_size(), i))
         elif action in ("B", "I"):  # W, the weights' part of a zero-bubble backward, is done here with the rest
-            inputs, output = kept.pop((stage_index, i))
+            inputs, output, _ = kept.pop((stage_index, i))
             grads = grad_inbox.get((stage_index, i))  # None on the last stage: the loss starts the backward
             with loss_parallel():
                 stage.backward_maybe_with_nosync("full", {"stage_output": output, "output_grads": grads,
@@ -512,11 +513,11 @@ def search(args):
                  f"{'step s':>8} | {'tokens/s a GPU':>14} | compute, TP + pp, bubble, FSDP (s)")
     ranked = sorted((row for row in rows if row[1] <= fits), key=lambda row: row[2])
     for place, (layout, peak, step, parts) in enumerate(ranked, 1):
-        lines.append(f"{place:>4} | {' x '.join(map(str, layout[:4])):>33} | {layout[4]:>3} | {peak / GiB:>9.2f} | "
+        lines.append(f"{place:>4} | {' x '.join(map(str, layout[:4])):>33} | {layout[4]:>3} | {peak / GiB:>9.3g} | "
                      f"{step:>8.3g} | {tokens / step / args.gpus:>14,.0f} | "
                      + ", ".join(f"{value:.3g}" for value in parts.values()))
-    lines.append(f"Do not fit in {fits / GiB:.1f} GiB: " + (", ".join(
-        f"{' x '.join(map(str, layout[:4]))} ({peak / GiB:.1f} GiB)" for layout, peak, _, _ in rows
+    lines.append(f"Do not fit in {fits / GiB:.3g} GiB: " + (", ".join(
+        f"{' x '.join(map(str, layout[:4]))} ({peak / GiB:.3g} GiB)" for layout, peak, _, _ in rows
         if peak > fits) or "none"))
     if published:
         layout, peak, step, _ = next(row for row in rows if row[0][:4] == published[2])

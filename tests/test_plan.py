@@ -120,3 +120,24 @@ def test_plan_of_fewer_microbatches_is_exact():
             said.append([line for line in done.stdout.splitlines() if not line.startswith("Method:")])
         assert said[0] == said[1]
         assert any(line.startswith("Peak memory:") for line in said[0])
+
+
+def test_search_ranks_the_layouts_that_fit():
+    """--search on 4 GPUs of the steps' decoder: every layout traced, ranked by its estimated step, the
+    assumptions printed; with too little memory, none fits and it says so."""
+    done = subprocess.run([sys.executable, "plan.py", "--search", "--gpus", "4", "--global_batch_size", "8",
+                           "--gpu_memory", "0.0075"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("Search: steps, 4 GPUs of 0.0075 GiB")
+    assert sum(line.startswith("Assumed:") for line in lines) == 2 and lines[3].startswith("Method:")
+    header = next(i for i, line in enumerate(lines) if line.startswith("rank |"))
+    rows = [line.split("|") for line in lines[header + 1:] if line[:4].strip().isdigit()]
+    traced = [line for line in done.stderr.splitlines() if line.startswith("traced ")]
+    unfit = lines[-1].removeprefix("Do not fit in ").split(": ", 1)[1]
+    assert len(traced) == len(rows) + (0 if unfit == "none" else unfit.count(" GiB)")) >= 4
+    assert rows and unfit != "none"  # 7.5 MiB: some layouts fit, some do not
+    steps = [float(row[4]) for row in rows]
+    assert steps == sorted(steps)
+    for row in rows:
+        assert float(row[3]) <= 0.0075 * 0.9

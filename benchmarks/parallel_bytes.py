@@ -17,7 +17,8 @@ TCP_INFO on the sockets under /proc/self/fd: bytes_sent - bytes_retrans + notsen
 gloo's headers included). Counted is the difference from the start of the second step to the end of the last (the
 first step also infers the pipeline's shapes and runs CommDebugMode), over the steps; the bytes given between two
 steps are recorded too (0: nothing but the steps talks). Start-up, the store and the checkpoint lie outside the
-window. Each socket's peer is mapped to the rank that owns its other end, so the JSON says which rank sent what to
+window. The second step also records its peak memory, by plan.py's tracker (plan.peak_of_step), for the planner's
+test. Each socket's peer is mapped to the rank that owns its other end, so the JSON says which rank sent what to
 which.
 
 The formula, per rank and step, for s = 4 bytes an element, b sequences of S positions per data-parallel rank in a
@@ -417,7 +418,6 @@ def run_job(world_size, plan, args, tmp):
     if done.returncode != 0:  # the script's one line, or the output's last
         lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("=" * 10)]
         said = next((line for line in lines if "error:" in line), (lines or ["no output"])[-1])
-        print(done.stderr[-6000:], file=sys.stderr)
         raise common.UsageError(f"the {world_size}-process job failed (exit {done.returncode}): {said.strip()}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
 

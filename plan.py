@@ -185,7 +185,7 @@ def memory_tracker(parts, optimizers):
 
 def peak_of_step(trainer, run):
     """(run()'s result, the peak bytes of the real step it runs): a Trainer of steps 6 to 8 (its parts, optimizers
-    and stages) under memory_tracker, its stages' receive buffers added, as the planner counts them. For
+    and stages) under memory_tracker, its stages' receive buffers counted, as the planner counts them. For
     benchmarks/parallel_bytes.py, which compares them with the planner's."""
     tracker = memory_tracker(trainer.parts, trainer.optimizers)
     stages = getattr(trainer, "stages", [])  # tensor_parallel.py runs no schedule
@@ -194,17 +194,18 @@ def peak_of_step(trainer, run):
             tracker.memory_tracking.pop(stage.submod, None)  # each micro-batch's forward: as in run_actions
             return forward(*args, **kwargs)
         stage.forward_maybe_with_nosync = forward
+    infos = [info for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
+             for chunk in table.values() for info in chunk]
     try:
         with tracker:
+            for info in infos:  # the stages' receive buffers, made in the first step: counted, as by the planner
+                if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                    info.buffer.detach()  # an op's output: the tracker counts its storage from here on
             result = run()
     finally:
         for stage in stages:
             del stage.forward_maybe_with_nosync  # the class's method again
-    infos = [info for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
-             for chunk in table.values() for info in chunk]
-    buffers = sum(info.buffer.numel() * info.buffer.element_size() for info in infos
-                  if isinstance(getattr(info, "buffer", None), torch.Tensor))
-    return result, next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"] + buffers
+    return result, next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
 
 
 def local(tensor):
@@ -257,20 +258,18 @@ def trace(args):
                 optimizer.zero_grad(set_to_none=True)
             tokens = torch.zeros(batch, seq, dtype=torch.long)
             hidden = torch.zeros(batch, seq // tp, dim, dtype=dtype)
-            # A stage's buffers, one a micro-batch, made in its first step and kept (PipelineStage's
-            # _prepare_forward_infra and _prepare_backward_infra): the activations it receives (all but the first
-            # stage) and the gradients of its output (all but the last). Outside the tracker, added to its peak.
-            inbox = {(s, i): torch.empty_like(hidden) for s in indices if s > 0 for i in range(m)}
-            grad_inbox = {(s, i): torch.empty_like(hidden) for s in indices if s < stages - 1 for i in range(m)}
-            buffers = sum(t.numel() * t.element_size() for t in [*inbox.values(), *grad_inbox.values()])
             tracker = memory_tracker(parts, optimizers)
             with local_ops_only(), tracker, step:
+                # A stage's buffers, one a micro-batch, made in its first step and kept (PipelineStage's
+                # _prepare_forward_infra and _prepare_backward_infra): the activations it receives (all but the
+                # first stage) and the gradients of its output (all but the last).
+                inbox = {(s, i): torch.empty_like(hidden) for s in indices if s > 0 for i in range(m)}
+                grad_inbox = {(s, i): torch.empty_like(hidden) for s in indices if s < stages - 1 for i in range(m)}
                 sends = run_actions(actions, by_index, stages, tokens, (inbox, grad_inbox), dp, args, tracker, step)
                 settle_grads(parts)
                 for optimizer in optimizers:
                     optimizer.step()
-            peak = {**next(iter(tracker.get_tracker_snapshot("peak").values())), "pipeline buffers": buffers}
-            peak["Total"] += buffers
+            peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
             held = {"parameters": sum(local(p).numel() * local(p).element_size() for part in parts
                                       for p in part.parameters()),
                     "gradients": sum(local(p.grad).numel() * local(p.grad).element_size() for part in parts

@@ -5,6 +5,7 @@ of up to thousands of GPUs, traced in one CPU process without a GPU or a network
     python plan.py --model llama3-8b --world_size 512 --dp_shard 64 --tp 8 --seq_len 8192 --global_batch_size 512
     python plan.py --model llama3-70b --world_size 8192 --dp_shard 128 --tp 8 --pp 8 --microbatches 16 \\
         --seq_len 8192 --global_batch_size 2048
+    python plan.py --search --model llama3-8b --gpus 64 --gpu_flops 312e12 --seq_len 8192 --global_batch_size 64
 
 It builds what nd_parallel.py builds for one rank of --world_size (its mesh, stages, apply_tp and apply_fsdp,
 imported from it) with a fake process group (torch's "fake" backend: every collective returns at once) and fake
@@ -14,7 +15,8 @@ list; the stage's own forward, backward and gradient-reduce methods), settle_gra
 rank's parameters, gradients and optimizer state, the peak memory and its parts (FSDPMemTracker, or MemTracker
 without FSDP), every collective with its mesh dimension and the bytes it puts on the wire, and the step's FLOPs
 (FlopCounterMode). A pipeline's sends are not collectives: they are counted from the stage's output and input
-shapes. docs/plan.md compares its figures with real runs.
+shapes. --search traces each layout of --gpus and ranks those that fit by an estimated step time, its assumptions
+printed. docs/plan.md compares the figures with real runs.
 """
 import argparse
 import contextlib
@@ -26,7 +28,6 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -35,9 +36,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.testing._internal.distributed.fake_pg import FakeStore  # also registers the "fake" backend
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
@@ -59,7 +60,6 @@ GiB = 1024 ** 3
 # all-gather), each pipeline send 144.
 GLOO_FRAMING, GLOO_SEND = 288, 144
 aten, c10d, functional = torch.ops.aten, torch.ops.c10d, torch.ops._c10d_functional
-# Each collective: (its kind, the tensor whose bytes count, where its process group or group name is).
 # Each collective: its kind, the argument whose bytes count (an all-gather's input: this rank's part) and the
 # argument that names its group.
 COLLECTIVES = {
@@ -98,16 +98,10 @@ class Step(TorchDispatchMode):
         self.calls = []  # (kind, group name, bytes of the tensor, micro-batch)
         self.microbatch = None  # the one whose forward or backward runs now
 
-    def __enter__(self):
-        self.fake_mode = active_fake_mode()
-        return super().__enter__()
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        if active_fake_mode() is not self.fake_mode:  # DTensor working out an output's shape: not the rank's op
-            return out
         if func in COLLECTIVES:
             kind, tensor, group = COLLECTIVES[func]
             tensor = args[tensor][0] if isinstance(args[tensor], list) else args[tensor]

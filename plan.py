@@ -449,7 +449,7 @@ def assumptions(args):
             "max(compute + TP + pipeline + bubble, FSDP)",
             "Method: each layout traced (rank 0, and for a pipeline the last stage's first rank too: the larger "
             "peak and the longer step), one micro-batch a sequence under a pipeline; layouts where tp divides the "
-            "heads and the node, pp the layers, in powers of 2"]
+            "heads and the node, pp (up to 8) the layers, in powers of 2; no layout scaled from another's trace"]
 
 
 def layouts(args):
@@ -460,7 +460,7 @@ def layouts(args):
     while tp <= min(args.gpus_per_node, args.gpus):
         if not any(size % tp for size in (c.n_heads, c.n_kv_heads, c.hidden, c.vocab_size, args.seq_len)):
             pp = 1
-            while pp <= c.n_layers and tp * pp <= args.gpus:
+            while pp <= min(c.n_layers, 8) and tp * pp <= args.gpus:  # deeper pipelines: ask for them by hand
                 dp = args.gpus // (tp * pp)
                 local = args.global_batch_size // dp if args.global_batch_size % dp == 0 else 0
                 m = 1 if pp == 1 else local
@@ -479,8 +479,9 @@ def search(args):
     lines = assumptions(args)
     rows = []
     published = PUBLISHED.get(args.model)
-    if published and published[1:2] + published[3:5] != (args.gpus, args.seq_len, args.global_batch_size):
-        published = None  # another job than the published one
+    if published and (published[1:2] + published[3:5] != (args.gpus, args.seq_len, args.global_batch_size) or
+                      replace(args.config, max_seq_len=MODELS[args.model].max_seq_len) != MODELS[args.model]):
+        published = None  # another job or model than the published one
     tried = layouts(args)
     if published:
         tried.append((*published[2], 1))
@@ -514,8 +515,9 @@ def search(args):
         if peak > fits) or "none"))
     if published:
         layout, peak, step, _ = next(row for row in rows if row[0][:4] == published[2])
-        lines.append(f"Published: {published[0]}. This model's estimate of that layout: {step:.3g} s a step, "
-                     f"peak {peak / GiB:.1f} GiB in float32 without activation checkpointing")
+        lines.append(f"Published: {published[0]}. This search's estimate of that layout: {step:.3g} s a step "
+                     f"(published: {published[5]:.3g} s), peak {peak / GiB:.3g} GiB in float32 without activation "
+                     "checkpointing (the published run: bf16 weights, activations recomputed)")
     return lines
 
 

@@ -190,7 +190,10 @@ def ddp_process(rank, *args):  # what mp.spawn runs in each process
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
         # The group lives on: Python's exit can stall or abort in gloo's threads. Say why as Python would; leave now.
-        print(error.code, file=sys.stderr) if isinstance(error, SystemExit) else sys.excepthook(*sys.exc_info())
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, through any hook a tool installed
+            sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         os._exit(1)
 

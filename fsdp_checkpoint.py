@@ -57,7 +57,7 @@ def check_folder(path):
         open(probe, "wb").close()
         os.remove(probe)
     except OSError as error:
-        sys.exit(f"error: cannot write the snapshot {path}: {error.strerror}")
+        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
 
 
 class CheckpointDir:
@@ -186,9 +186,13 @@ class CheckpointDir:
         """Mark the checkpoint in flight complete once its save has returned (now, if `wait`): on rank 0 that means
         every rank's shards, their sums and the metadata are on disk. Rank 0 writes the marker with every file's
         sum, renames the directory, and removes the oldest beyond the newest KEEP."""
-        if self.pending is None or not (wait or not isinstance(self.pending[1], Future) or self.pending[1].done()):
+        if self.pending is None:
             return
-        (where, result), self.pending = self.pending, None
+        where, result = self.pending
+        still_saving = isinstance(result, Future) and not result.done()
+        if still_saving and not wait:
+            return
+        self.pending = None
         if isinstance(result, Future):
             result.result()  # raises what the save thread raised
             join_save_threads()

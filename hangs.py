@@ -44,7 +44,7 @@ FAULTS = ("none", "skip", "other_collective", "other_shape", "stall", "die")
 
 
 def say(text):
-    os.write(1, f"{text}\n".encode())  # one write: the ranks share torchrun's stdout
+    os.write(1, f"{text}\n".encode())  # one write: the ranks share one stdout, their lines never mix
 
 
 def break_rank(fault, step, stats, rank, device):
@@ -154,6 +154,9 @@ if __name__ == "__main__":
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
         # The group lives on: Python's exit can stall or abort in gloo's threads. Say why as Python would; leave now.
-        print(error.code, file=sys.stderr) if isinstance(error, SystemExit) else sys.excepthook(*sys.exc_info())
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, through any hook a tool installed
+            sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         os._exit(1)

@@ -35,6 +35,14 @@ class Trainer:
         self.rank = dist.get_rank()
         if os.path.exists(snapshot_path):
             self._load_snapshot(snapshot_path)
+        # Each rank reads the snapshot on its own machine. On several machines only rank 0's has one (rank 0 alone
+        # saves), and the ranks would train different epochs: one collective finds that before any step.
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, self.epochs_run)
+        if len(set(held)) > 1:
+            found = ", ".join(f"rank {rank} at epoch {epoch}" for rank, epoch in enumerate(held))
+            sys.exit(f"error: the ranks resume at different epochs ({found}): each read {snapshot_path} on its own "
+                     "machine; on several machines run multinode.py, which sends the newest snapshot to every rank")
         self.model = DDP(self.model, device_ids=[device.index] if device.type != "cpu" else None)
 
     def log(self, text):
@@ -218,6 +226,9 @@ if __name__ == "__main__":
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
         # The group lives on: Python's exit can stall or abort in gloo's threads. Say why as Python would; leave now.
-        print(error.code, file=sys.stderr) if isinstance(error, SystemExit) else sys.excepthook(*sys.exc_info())
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, through any hook a tool installed
+            sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         os._exit(1)

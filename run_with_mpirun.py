@@ -40,7 +40,7 @@ LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_W
 
 
 def say(text):
-    os.write(1, f"{text}\n".encode())  # one write: the ranks share mpirun's stdout, their lines never mix
+    os.write(1, f"{text}\n".encode())  # one write: the ranks share one stdout, their lines never mix
 
 
 def check_collectives(rank, world_size, device, store):
@@ -253,13 +253,18 @@ def parse_args():
     if "TORCHELASTIC_RUN_ID" in os.environ:
         parser.error("it takes its ranks from mpirun, not torchrun: run `mpirun -np 2 python run_with_mpirun.py`")
     if args.train and MPI.COMM_WORLD.Get_rank() == 0:  # the snapshot's folder checked now, not after an epoch
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.snapshot_path)), exist_ok=True)
-            open(args.snapshot_path + ".tmp", "wb").close()
-            os.remove(args.snapshot_path + ".tmp")
-        except OSError as error:
-            sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
+        check_snapshot_path(args.snapshot_path)
     return args
+
+
+def check_snapshot_path(path):
+    """Stop now, not after the first epochs, where the snapshot cannot be written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path + ".tmp", "wb").close()
+        os.remove(path + ".tmp")
+    except OSError as error:
+        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
 
 
 if __name__ == "__main__":

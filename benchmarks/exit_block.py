@@ -14,7 +14,7 @@ the survivor exits 1 within --run_timeout seconds of the kill and prints none of
 Forms (the survivor's way out; `import torch.distributed.nn` at the top unless named):
 - bare: `main()` alone: Python prints the traceback and exits as usual;
 - block: the exit block of the examples (multigpu_torchrun.py): the message, then os._exit(1);
-- short: the same, its shortest text (below);
+- short: the same, its message and traceback in one expression statement;
 - destroy: `dist.destroy_process_group()` in a `finally:`, then Python's own exit;
 - noimport: block, without `import torch.distributed.nn`.
 - stop_bare, stop_short: no kill: at step 3 rank 0 starts a 16 MiB all-reduce and raises at once, while rank 1
@@ -84,11 +84,10 @@ if __name__ == "__main__":
     except (Exception, SystemExit) as error:
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
-        # This rank stops while its group lives (a collective failed, a check said no): Python's own exit could
-        # abort on gloo's threads, still busy with a collective. Say why as Python would, then leave at once.
+        # The group lives on: Python's exit can stall or abort in gloo's threads. Say why as Python would; leave now.
         if isinstance(error, SystemExit):  # sys.exit("error: ...")
             print(error.code, file=sys.stderr)
-        else:  # the traceback, also to any hook a tool installed
+        else:  # the traceback, through any hook a tool installed
             sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         os._exit(1)

@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file
 from benchmarks import report
 from benchmarks.common import free_port, group_store
 from benchmarks.launches import BIN, REPO, clean_env
+from launch.two_sites import Group
 
 # The lighthouse as docs/fault-tolerance.md starts it: a group silent for 2 s is dead.
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
@@ -48,27 +48,16 @@ NOT_COMMITTED = re.compile(r"^Step \d+ \| not committed")
 RESTART_STEP = re.compile(r"^rank (\d+) step (\d+)$")
 
 
-class Launch:
-    """A launch in a session of its own; each line of its output kept with the time it arrived."""
+class Launch(Group):
+    """A launch in a session of its own, each line of its output kept with the time it arrived: launch/two_sites.py's
+    Group, without the echo; here a line that does not come is an error."""
 
     def __init__(self, argv, cwd, env=None):
-        self.process = subprocess.Popen([str(a) for a in argv], cwd=cwd, env=env or clean_env(), text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        self.lines, self.arrived = [], threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            with self.arrived:
-                self.lines.append((time.perf_counter(), line.rstrip("\n")))
-                self.arrived.notify_all()
-        with self.arrived:
-            self.arrived.notify_all()
+        super().__init__(None, [str(a) for a in argv], env or clean_env(), cwd, echo=False)
 
     def wait_for(self, pattern, timeout, accept=lambda match: True):
         """The match of the first line that matches `pattern` and that `accept` takes; raise if none comes."""
-        deadline = time.perf_counter() + timeout
+        deadline = time.monotonic() + timeout
         with self.arrived:
             while True:
                 for _, line in self.lines:
@@ -76,7 +65,7 @@ class Launch:
                         return match
                 if self.process.poll() is not None and not self.reader.is_alive():
                     raise RuntimeError(f"exited {self.process.returncode} before {pattern!r}: {self.tail()}")
-                if time.perf_counter() > deadline:
+                if time.monotonic() > deadline:
                     raise RuntimeError(f"no {pattern!r} within {timeout}s: {self.tail()}")
                 self.arrived.wait(0.1)
 
@@ -91,13 +80,6 @@ class Launch:
             raise RuntimeError(f"still running after {timeout}s: {self.tail()}") from None
         self.reader.join(10)
         return self.process.returncode
-
-    def kill(self):
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
 
 
 def worker_of(agent_pid, local_rank):
@@ -149,7 +131,7 @@ def run_torchft(args, tmp):
             killed_after = int(groups[1].wait_for(r"^Step (\d+) \| groups 2 ", args.launch_timeout,
                                                   lambda m: int(m[1]) >= args.kill_at)[1])
             os.kill(worker_of(groups[1].process.pid, 0), signal.SIGKILL)
-            kill_time = time.perf_counter()
+            kill_time = time.monotonic()
             codes = [group.finish(args.launch_timeout) for group in groups]
         finally:
             for group in groups:
@@ -177,7 +159,7 @@ def run_restart(args, tmp):
     try:
         job.wait_for(rf"^rank 1 step {args.kill_at}$", args.launch_timeout)
         os.kill(worker_of(job.process.pid, 1), signal.SIGKILL)
-        kill_time = time.perf_counter()
+        kill_time = time.monotonic()
         code = job.finish(args.launch_timeout)
     finally:
         job.kill()

@@ -52,7 +52,7 @@ def worker(args):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from torchdiagnose.rank import work_around_detail_crash
+    from torchdiagnose.start import work_around_detail_crash
     from models_and_data import MLP, regression_dataset
 
     work_around_detail_crash()  # as the tool does: under DETAIL, torch 2.13's DDP crashes with gloo without it

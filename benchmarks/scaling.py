@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -54,26 +53,7 @@ import torch.distributed.nn  # before any process group: docs/failures.md, clean
 from benchmarks.comm_hooks import CommHook
 from benchmarks.common import UsageError, check_backend, free_port
 from models_and_data import MLP, LinearClassifier, mnist_splits
-
-
-class SimpleCNN(nn.Module):
-    """Two conv blocks and two fully connected layers for 28x28 digits, in the Hugging Face model style (train.py's
-    model): forward(image, labels=None) returns {"loss", "logits"} with labels and {"logits"} without."""
-
-    def __init__(self, num_classes=10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, kernel_size=3, padding=1)
-        self.fc1 = nn.Linear(64 * 7 * 7, 128)
-        self.fc2 = nn.Linear(128, num_classes)
-
-    def forward(self, image, labels=None):
-        x = F.max_pool2d(F.relu(self.conv1(image)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        logits = self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
-        if labels is None:
-            return {"logits": logits}
-        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+from train import SimpleCNN  # train.py's model, for the MNIST rows
 
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to 0..1

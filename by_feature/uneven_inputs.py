@@ -187,6 +187,16 @@ class Trainer:
                  f"backend {dist.get_backend()}")
 
 
+def check_snapshot_path(path):
+    """Stop now, not after the first epochs, where the snapshot cannot be written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path + ".tmp", "wb").close()
+        os.remove(path + ".tmp")
+    except OSError as error:
+        sys.exit(f"error: cannot write the snapshot {path} ({error.filename}: {error.strerror})")
+
+
 def group_store(rank, world_size, timeout):
     """Under torchrun, a store of this group's own: torchrun's outlives a restart with the dead group's keys, and a
     restarted rank can read a dead peer's address and burn the restart (pytorch/pytorch#135712, torch 2.13 too)."""
@@ -223,12 +233,7 @@ def main(args):
     if backend == "nccl" and device.type != "cuda":
         sys.exit("error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU")
     if rank == 0:  # the snapshot's folder checked now, not after the first epochs; torchrun then stops every rank
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.snapshot_path)), exist_ok=True)
-            open(args.snapshot_path + ".tmp", "wb").close()
-            os.remove(args.snapshot_path + ".tmp")
-        except OSError as error:
-            sys.exit(f"error: cannot write the snapshot {args.snapshot_path}: {error.strerror}")
+        check_snapshot_path(args.snapshot_path)
     if accelerator:  # before the process group, so NCCL binds this process to its own GPU
         torch.accelerator.set_device_index(device.index)
     # A framework that calls main() (Ray Train, say) may own the process group already.
@@ -285,6 +290,9 @@ if __name__ == "__main__":
         if not dist.is_initialized():  # no process group: Python's own exit is safe
             raise
         # The group lives on: Python's exit can stall or abort in gloo's threads. Say why as Python would; leave now.
-        print(error.code, file=sys.stderr) if isinstance(error, SystemExit) else sys.excepthook(*sys.exc_info())
+        if isinstance(error, SystemExit):  # sys.exit("error: ...")
+            print(error.code, file=sys.stderr)
+        else:  # the traceback, through any hook a tool installed
+            sys.excepthook(*sys.exc_info())
         sys.stdout.flush()
         os._exit(1)

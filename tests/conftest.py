@@ -1,4 +1,6 @@
 """Helpers for launching the real scripts under their real launchers, in subprocesses."""
+import json
+import threading
 import os
 import random
 import re
@@ -16,8 +18,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.launches import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_cmd, python_cmd,  # noqa: E402,F401
-                                 torchrun_cmd, write_idx)
+from support.launching import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_cmd, python_cmd,  # noqa: E402,F401
+                               torchrun_cmd, write_idx)
 from models_and_data import mnist_splits, read_idx  # noqa: E402,F401
 
 
@@ -63,6 +65,7 @@ _current_token = SESSION_TOKEN
 
 # tests/support/sitecustomize.py: every launched process checks that destroy_process_group freed the group.
 PROBE = REPO / "tests" / "support"
+PROGRAMS = PROBE / "programs"  # programs the tests run that are not the repository's: a user's, a wrapper
 PROBE_MARKER = "ddp-examples-probe:"
 
 
@@ -338,3 +341,158 @@ def mnist_dir(tmp_path_factory):
                         ("t10k-images", test_images), ("t10k-labels", test_labels)):
         write_idx(str(directory / f"{name}-idx{3 if 'images' in name else 1}-ubyte.gz"), array.numpy())
     return directory
+
+
+# ---- processes and their lines: waits, torchrun's workers, held workers, a launch read line by line ----
+
+# How long a whole training job may take before the test calls it hung: it asserts no speed (an idle machine
+# runs these jobs in under a minute), it only ends a test that would otherwise wait forever.
+HANG_GUARD_S = 600
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+def children(pid):
+    """Direct child processes of pid, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def environ(pid):
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def torchrun_worker(agent_pid, local_rank, restart=0):
+    """The pid of the worker torchrun started with this LOCAL_RANK, in this restart round, or None."""
+    for pid in children(agent_pid):
+        env = environ(pid)
+        if env.get("LOCAL_RANK") == str(local_rank) and env.get("TORCHELASTIC_RESTART_COUNT") == str(restart):
+            return pid
+    return None
+
+
+def stopped_worker(job, local_rank, restart=0):
+    """The pid of torchrun's worker once the probe has stopped it (DDP_EXAMPLES_PROBE_STOP_AT in
+    tests/support/sitecustomize.py), to be killed at exactly that step: no wait from outside can race the job."""
+    def stopped():
+        pid = torchrun_worker(job.pid, local_rank, restart)
+        return pid if pid and process_state(pid) == "T" else None
+    wait_for(lambda: stopped() or job.poll() is not None, 120, f"rank {local_rank} to stop at its step")
+    pid = stopped()
+    assert pid, f"the job ended before rank {local_rank} stopped: {finish(job, 30)}"
+    return pid
+
+
+# What docs/elastic.md's commands set: torchrun's shared store deadlocks a node that joins later.
+ELASTIC = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+
+
+def alive(pid):
+    return process_state(pid) not in (None, "Z")
+
+
+def signal_pending(pid, sig):
+    """Whether `sig` waits to be delivered to the process: a stopped one gets it only once continued."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+    except OSError:
+        return False
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(mask & (1 << (sig - 1)) for mask in masks)
+
+
+def release_when_stopped_by_torchrun(worker):
+    """Let a held worker go once its agent has sent it SIGTERM to re-form the group: it ends at once."""
+    wait_for(lambda: signal_pending(worker, signal.SIGTERM) or not alive(worker), 120,
+             "torchrun to stop the held worker for the new node")
+    os.kill(worker, signal.SIGCONT)
+    wait_for(lambda: not alive(worker), 60, "the held worker to end")
+
+
+# torchrun's defaults would cost minutes: 30 s in which a lone node waits for more before it starts (last
+# call), 15 s before a dead node is dropped (3 missed heartbeats, 5 s apart).
+RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def events(directory, rank, restart=0):
+    """The probe's events of one rank in one restart round, in order (one process each; whole lines only, since
+    the process may be writing the last one)."""
+    (path,) = directory.glob(f"rank{rank}-restart{restart}-*.jsonl")
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
+
+
+def epoch_batches(directory, rank, restart=0):
+    """[[batch indices, ...] of each pass of the DataLoader] of one process."""
+    passes = []
+    for event in events(directory, rank, restart):
+        if "iter" in event:
+            passes.append([])
+        elif "batch" in event:
+            passes[-1].append(event["batch"])
+    return passes
+
+
+def watch(cmd, cwd, env=None, aborts=False, probes=True, on_line=None, guard=HANG_GUARD_S):
+    """Run a launch to its end, every line with the time it came: (exit code, [(time, line)]). One still running
+    after `guard` seconds is killed and fails the test, and so does one that printed an abort marker (a crash)
+    unless `aborts`. on_line(line) as each line comes; probes=False: without the tests' probes (start)."""
+    process = start(cmd, cwd, env, probes=probes)
+    hung = threading.Event()
+    timer = threading.Timer(guard, lambda: (hung.set(), kill_launched()))
+    timer.start()
+    lines = []
+    for line in process.stdout:
+        lines.append((time.monotonic(), line.rstrip("\n")))
+        if on_line:
+            on_line(lines[-1][1])
+    process.wait()
+    timer.cancel()
+    output = "\n".join(line for _, line in lines)
+    if hung.is_set():
+        pytest.fail(f"{' '.join(map(str, cmd))} still running after {guard}s:\n{output[-3000:]}")
+    if not aborts:
+        check_no_abort(output, " ".join(map(str, cmd)))
+    return process.returncode, lines
+
+
+LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
+
+
+def start_lighthouse():
+    port = free_port()
+    process = start([BIN / "torchft_lighthouse", "--bind", f"127.0.0.1:{port}", *LIGHTHOUSE_FLAGS], cwd=REPO,
+                    env=clean_env(RUST_LOG="warn"))  # at "info" it logs every quorum: a full pipe would stall it
+    deadline = time.monotonic() + 30
+    while not listening(port):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.05)
+    return process, f"http://127.0.0.1:{port}"
+
+
+# The scripts the clients' tests launch: (first launch's arguments, the second's). test_clients.py runs them under
+# accelerate and torch.distributed; test_submitit.py submits the same.
+CLIENT_SCRIPTS = {
+    "multigpu_torchrun.py": (("2", "1"), ("4", "1")),
+    "multinode.py": (("2", "1"), ("4", "1")),
+    "by_feature/gradient_accumulation.py": (("--input_size", "20", "--epochs", "2"),
+                                            ("--input_size", "20", "--epochs", "4")),
+}

@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from conftest import free_port
+import pytest
+
+from conftest import BIN, PROBE, clean_env, free_port
 
 # Debian's packages (bookworm: Slurm 22.05). libpmix-dev: Slurm's PMIx plugin opens libpmix.so, a name
 # only the -dev package installs. libopenmpi3: the cluster's own MPI, built with the same PMIx as Slurm
@@ -280,3 +282,27 @@ def _kill(pid):
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# ---- what the tests that submit to the cluster share (test_slurm.py, test_submitit.py) ----
+
+WHY_NOT = unavailable()  # why this machine cannot run the cluster, or None
+
+
+@pytest.fixture(scope="module", name="cluster")
+def slurm_cluster(tmp_path_factory):
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as running:
+        yield running
+    assert not running.processes(), "processes of the cluster's jobs outlived it"
+
+
+def job_env(**extra):
+    """The submitter's environment, which sbatch hands to the job: the tests' probes (tests/support) load in
+    every Python process of the job, which checks the teardown and counts each rank's collectives."""
+    return clean_env(PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=PROBE, DDP_EXAMPLES_PROBE_COLLECTIVES=1, **extra)
+
+
+def launched_on(cluster, job_id):
+    """The nodes whose slurmd started a task of the job's srun (the last, for a requeued job)."""
+    return [node for node in NODES
+            if f"launch task StepId={job_id}.0 " in (cluster.root / "log" / f"slurmd-{node}.log").read_text()]

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, MNIST, clean_env, epoch_lines, free_port, run, summary
-from conftest import REPO
+from conftest import BIN, CLIENT_SCRIPTS, MNIST, REPO, clean_env, epoch_lines, free_port, run, summary
 
 ENV = clean_env(OMP_NUM_THREADS=1)  # as torchrun sets it for 2 processes a machine
 
@@ -32,13 +31,6 @@ CLIENTS = {
     "torch.distributed.run": lambda script, *args: torch_distributed("run", script, *args),
     "torch.distributed.launch": lambda script, *args: torch_distributed("launch", script, *args),
 }
-# script: (first launch's arguments, the second's); test_submitit.py submits the same
-SCRIPTS = {
-    "multigpu_torchrun.py": (("2", "1"), ("4", "1")),
-    "multinode.py": (("2", "1"), ("4", "1")),
-    "by_feature/gradient_accumulation.py": (("--input_size", "20", "--epochs", "2"),
-                                            ("--input_size", "20", "--epochs", "4")),
-}
 
 
 # accelerate sets up the processes its own way: every kind of example under it, and train.py. torch.distributed.run
@@ -53,7 +45,7 @@ PAIRS = [("accelerate", "multigpu_torchrun.py"), pytest.param("accelerate", "mul
 
 @pytest.mark.parametrize("client, script", PAIRS)
 def test_an_example_trains_on_every_rank_and_resumes_under_the_client(tmp_path, client, script):
-    first, second = SCRIPTS[script]
+    first, second = CLIENT_SCRIPTS[script]
     out = run(CLIENTS[client](script, *first), cwd=tmp_path, env=ENV, timeout=180).stdout
     assert summary(out).world_size == 2 and [line.epoch for line in epoch_lines(out)] == [0, 1], out[-3000:]
     out = run(CLIENTS[client](script, *second), cwd=tmp_path, env=ENV, timeout=180).stdout

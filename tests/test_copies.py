@@ -21,7 +21,14 @@ EXAMPLES = sorted(p for pattern in ("*.py", "by_feature/*.py", "launch/*.py") fo
 FUNCTIONS = ("group_store", "check_snapshot_path", "positive_int",
              # steps 6 to 8 (tensor_parallel.py, pipeline_parallel.py, nd_parallel.py): what they share
              "device_of", "layout_of", "check_model", "whole_model", "build_stage", "stage_indices", "bubble",
-             "apply_tp", "idle_lines", "settle_grads")
+             "apply_tp", "idle_lines", "settle_grads", "holdings", "where", "state", "set_state", "_save",
+             "synchronize", "timed",
+             # the launchers' checks (run_with_*.py) and hangs.py's
+             "check_collectives", "report", "tensor", "say",
+             # torchrun_ddp.py and its by_feature copies
+             "read_snapshot", "save", "labelled", "classification_splits",
+             # the torchft examples
+             "indices")
 
 # Blocks inside a function: from the line that matches the first pattern to the one that matches the second, dedented.
 BLOCKS = {
@@ -52,6 +59,10 @@ VARIANTS = {
     ("the device", "run_with_python.py#2"): (None, "the parent, which starts no process group, picks the backend"),
     ("the backend", "ddp.py"): (None, "it checks --backend where it starts the processes (ddp.py's main)"),
     ("the import before any process group", "launch/ray_train.py"): (None, "in Ray's worker, its why above it"),
+    ("where", "fsdp.py"): (None, "step 5's marker: another model, no layout (steps 6 to 8 share theirs)"),
+    ("state", "fsdp.py"): (None, "step 5's trainer: one model, not a list of stages"),
+    ("_save", "fsdp.py"): (None, "step 5 saves asynchronously where it can (--async_save)"),
+    ("classification_splits", "models_and_data.py"): (None, "the models module's, its parameters documented"),
     ("a group that a framework may own", "train.py"): (None, "the Trainer joins the group that train.py starts"),
 }
 

@@ -11,77 +11,21 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import BIN, REPO, check_no_abort, clean_env, free_port, kill_launched, launched_pids, mpi_env, start
+from conftest import (BIN, PROGRAMS, REPO, clean_env, free_port, kill_launched, launched_pids, mpi_env, start,
+                      watch)
+
+USER_SCRIPT = (PROGRAMS / "user_ddp.py").read_text()  # a user's DDP script: torch only, its faults by FAULT=
 
 SOURCE = REPO / "diagnose" / "src"
 TIMEOUT = 6  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
 DEADLINE_S = TIMEOUT + 30  # from the fault to the job's end
 HANG_GUARD_S = 180
-
-USER_SCRIPT = '''\
-"""A user's DDP script: torch only. FAULT=stall|die|skip|shape breaks rank FAULT_RANK at step AT_STEP."""
-import os
-import signal
-import time
-
-import torch
-import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before the group: imported later (by DDP), it holds the group for good
-import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-FAULT, FAULT_RANK, AT_STEP = os.environ.get("FAULT", ""), int(os.environ.get("FAULT_RANK", 1)), 3
-
-
-def train(rank, world_size):
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(int(os.environ.get("STEPS", 12))):
-        if FAULT and rank == FAULT_RANK and step == AT_STEP:
-            print(f"rank {rank}: {FAULT} at step {step}", flush=True)
-            while FAULT == "stall" and not os.path.exists(os.environ.get("STALL_UNTIL", "/nonexistent")):
-                time.sleep(float(os.environ.get("STALL_S", 3600)))  # the stall
-            if FAULT == "die":
-                os.kill(os.getpid(), signal.SIGKILL)
-        loss = model(torch.randn(32, 20)).pow(2).mean()
-        loss.backward()  # the backward line
-        optimizer.step()
-        optimizer.zero_grad()
-        numbers = torch.tensor([float(step), loss.item()])
-        if FAULT == "shape" and rank == FAULT_RANK and step == AT_STEP:
-            numbers = torch.zeros(3)
-        if not (FAULT == "skip" and rank == FAULT_RANK and step == AT_STEP):
-            gathered = [torch.zeros_like(numbers) for _ in range(world_size)]
-            dist.all_gather(gathered, numbers)  # the all_gather line
-    print(f"rank {rank} done", flush=True)
-    del model  # DDP holds the group: free it first, or destroy_process_group cannot
-    dist.destroy_process_group()
-
-
-def spawned(rank, world_size):
-    train(rank, world_size)
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "OMPI_COMM_WORLD_RANK" in os.environ:  # mpirun
-        train(int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"]))
-    elif "SLURM_PROCID" in os.environ:  # srun
-        train(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]))
-    elif "RANK" in os.environ:  # torchrun
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    else:
-        mp.spawn(spawned, args=(2,), nprocs=2)
-'''
 
 
 def user_script(directory):
@@ -119,26 +63,6 @@ def env_for(launcher, **extra):
     return base(MASTER_PORT=free_port(), **extra)
 
 
-def watch(cmd, env, cwd, aborts=False, on_line=lambda line: None):
-    """Run a launch to its end: (exit code, [(time, line)]); one still running after HANG_GUARD_S fails, and so
-    does one that printed an abort marker (a crash) unless `aborts`. on_line(line) as each line comes."""
-    process = start(cmd, cwd, env)
-    hung = threading.Event()
-    timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
-    timer.start()
-    lines = []
-    for line in process.stdout:
-        lines.append((time.monotonic(), line.rstrip("\n")))
-        on_line(lines[-1][1])
-    process.wait()
-    timer.cancel()
-    if hung.is_set():
-        pytest.fail(f"still running after {HANG_GUARD_S}s:\n" + "\n".join(line for _, line in lines)[-3000:])
-    if not aborts:
-        check_no_abort("\n".join(line for _, line in lines), " ".join(map(str, cmd)))
-    return process.returncode, lines
-
-
 def the_line(lines):
     """The tool's line: exactly one (one host), whatever the launcher printed around it; the prefix says it again
     as the job's last line, after the launcher's report."""
@@ -164,8 +88,8 @@ LAUNCHERS = ["torchrun", "mp.spawn", "mpirun"]
 @pytest.mark.quick
 @pytest.mark.parametrize("launcher", ["torchrun"])  # mp.spawn and mpirun: test_diagnose_installed.py
 def test_a_stalled_rank_is_named_with_the_line_where_it_stands(tmp_path, launcher):
-    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="stall"),
-                        tmp_path)
+    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), tmp_path,
+                        env_for(launcher, FAULT="stall"))
     line = the_line(lines)
     assert code != 0
     assert line.startswith("diagnose: collective #12 (all_reduce of [1409], DDP's gradients in backward() at "
@@ -177,8 +101,8 @@ def test_a_stalled_rank_is_named_with_the_line_where_it_stands(tmp_path, launche
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])  # mp.spawn: test_diagnose_installed.py
 def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path, launcher):
-    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), env_for(launcher, FAULT="die"),
-                        tmp_path)
+    code, lines = watch(diagnose_cmd(*launch(launcher, user_script(tmp_path))), tmp_path,
+                        env_for(launcher, FAULT="die"))
     line = the_line(lines)
     assert code != 0
     assert line.startswith(f"diagnose: collective #12 (all_reduce of [1409], DDP's gradients in backward() at "
@@ -194,7 +118,7 @@ def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path, launcher):
 def test_a_skipped_collective_names_both_sides_and_torchfrtrace_reads_the_dumps(tmp_path):
     # The dumps land in fr_traces/ of the folder the tool runs in.
     code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))),
-                        clean_env(MASTER_PORT=free_port(), FAULT="skip"), tmp_path)
+                        tmp_path, clean_env(MASTER_PORT=free_port(), FAULT="skip"))
     line = the_line(lines)
     assert code != 0
     assert ("the ranks wait in different collectives: rank 0 in all_gather of [2] at "
@@ -209,8 +133,8 @@ def test_a_skipped_collective_names_both_sides_and_torchfrtrace_reads_the_dumps(
 
 def test_another_shape_is_named(tmp_path):
     """gloo aborts a rank whose peer sends another shape: the survivor names the abort and its likely cause."""
-    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env_for("torchrun", FAULT="shape"),
-                        tmp_path, aborts=True)
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), tmp_path,
+                        env_for("torchrun", FAULT="shape"), aborts=True)
     line = the_line(lines)
     assert code != 0
     assert "killed by SIGABRT" in line and "another shape" in line, line
@@ -222,7 +146,7 @@ def test_under_debug_detail_both_sides_are_named_at_once(tmp_path, fault, other)
     """TORCH_DISTRIBUTED_DEBUG=DETAIL raises on every rank before any waits; the tool names both sides (and keeps
     torch 2.13's DDP from crashing in its constructor under DETAIL with gloo)."""
     env = env_for("torchrun", FAULT=fault, TORCH_DISTRIBUTED_DEBUG="DETAIL")
-    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), env, tmp_path)
+    code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))), tmp_path, env)
     line = the_line(lines)
     assert code != 0
     assert line.startswith(f"diagnose: the ranks called different collectives at #12: rank 0 all_gather of [2] (Float) "
@@ -238,7 +162,7 @@ def test_keep_waiting_prints_the_line_and_lets_the_job_finish(tmp_path):
     cmd = diagnose_cmd(*launch("torchrun", user_script(tmp_path)), options=["--keep-waiting"])
     go = tmp_path / "go"
     env = env_for("torchrun", FAULT="stall", STALL_UNTIL=go, STALL_S=0.2, STEPS=6)
-    code, lines = watch(cmd, env, tmp_path, on_line=lambda line: line.startswith("diagnose: ") and go.touch())
+    code, lines = watch(cmd, tmp_path, env, on_line=lambda line: line.startswith("diagnose: ") and go.touch())
     line = the_line(lines)
     assert "rank 1 did not arrive" in line and line.endswith("(--keep-waiting: the job goes on waiting)"), line
     assert code == 0, "\n".join(text for _, text in lines)[-3000:]
@@ -249,7 +173,7 @@ def test_a_healthy_job_pays_nothing_and_the_next_sitecustomize_still_runs(tmp_pa
     """A job that does not hang ends as without the tool; the tests' own sitecustomize (tests/support), which
     counts each rank's collectives, still loads after the tool's."""
     code, lines = watch(diagnose_cmd(*launch("torchrun", user_script(tmp_path))),
-                        env_for("torchrun", DDP_EXAMPLES_PROBE_COLLECTIVES=1), tmp_path)
+                        tmp_path, env_for("torchrun", DDP_EXAMPLES_PROBE_COLLECTIVES=1))
     output = "\n".join(text for _, text in lines)
     assert code == 0, output[-3000:]
     assert "diagnose:" not in output
@@ -283,7 +207,7 @@ def test_nccl_without_a_gpu_is_one_line(tmp_path):
     script = tmp_path / "nccl.py"
     script.write_text('import torch.distributed as dist\ndist.init_process_group("nccl", rank=0, world_size=1)\n')
     env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
-    code, lines = watch(diagnose_cmd(sys.executable, script), env, tmp_path)
+    code, lines = watch(diagnose_cmd(sys.executable, script), tmp_path, env)
     assert code != 0
     assert "NCCL needs CUDA GPUs, and this process sees none" in the_line(lines)
 
@@ -316,7 +240,7 @@ def test_it_works_with_torch_outside_its_pythons_own_packages(tmp_path):
     shutil.copy(SOURCE / "torchdiagnose-hook.pth", packages)
     cmd = [python, "-m", "torchdiagnose", "--timeout", str(TIMEOUT), python, "-m", "torch.distributed.run",
            "--standalone", "--nproc_per_node=2", user_script(tmp_path)]
-    code, lines = watch(cmd, env_for("torchrun", FAULT="stall"), tmp_path)
+    code, lines = watch(cmd, tmp_path, env_for("torchrun", FAULT="stall"))
     line = the_line(lines)
     assert code != 0 and f"backward() at {line_of('the backward line')}) waited" in line, line
     assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('the stall')}" in line, line
@@ -324,12 +248,12 @@ def test_it_works_with_torch_outside_its_pythons_own_packages(tmp_path):
 
 
 def test_the_private_torch_apis_it_uses_exist():
-    """diagnose/rank.py's PRIVATE_APIS, each found in this torch; a torch upgrade that removes one fails here, by
+    """torchdiagnose/api.py's PRIVATE_APIS, each found in this torch; a torch upgrade that removes one fails here, by
     name (and under the tool, the job says it in one line and runs as without it: test_diagnose_installed.py)."""
-    from torchdiagnose import rank
-    assert rank.missing_api() is None, f"torch {torch.__version__} has no {rank.missing_api()}"
-    documented = (SOURCE / "torchdiagnose" / "rank.py").read_text().split('"""')[1]
-    for name in rank.PRIVATE_APIS:
+    from torchdiagnose import api
+    assert api.missing_api() is None, f"torch {torch.__version__} has no {api.missing_api()}"
+    documented = (SOURCE / "torchdiagnose" / "api.py").read_text().split('"""')[1]
+    for name in api.PRIVATE_APIS:
         assert name.rsplit(".", 1)[-1] in documented, name
 
 
@@ -340,8 +264,8 @@ def test_a_rendezvous_that_does_not_complete_is_one_line_within_the_timeout(tmp_
     hosts the store and waits for rank 1. Either way one line after --timeout, instead of torch's 30 minutes."""
     started = time.monotonic()
     code, lines = watch(diagnose_cmd(sys.executable, user_script(tmp_path)),
-                        clean_env(RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
-                                  ), tmp_path)
+                        tmp_path, clean_env(RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
+                                  ))
     assert code != 0
     line = the_line(lines)
     assert line.startswith(f"diagnose: init_process_group has waited {TIMEOUT}s: ") and cause in line, line
@@ -513,8 +437,8 @@ def test_a_rendezvous_host_that_does_not_resolve_is_one_line_at_once(tmp_path, c
     # Without the tool, torchrun's agent and init_process_group retry the name until their timeout (minutes).
     env = (mpi_env if client == "mpirun" else clean_env)(MASTER_ADDR=BAD_HOST, MASTER_PORT=free_port())
     began = time.monotonic()
-    code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), BAD_HOST, free_port())), env,
-                        tmp_path)
+    code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), BAD_HOST, free_port())), tmp_path,
+                        env)
     line = the_line(lines)
     assert code == 1 and f"rendezvous host '{BAD_HOST}'" in line and "does not resolve" in line, line
     assert time.monotonic() - began < 20 and not any("done" in text for _, text in lines), lines
@@ -528,7 +452,7 @@ def test_a_rendezvous_port_in_use_is_one_line_at_once(tmp_path, client):
         taken.listen()
         port = taken.getsockname()[1]
         code, lines = watch(diagnose_cmd(*rendezvous_at(client, user_script(tmp_path), "127.0.0.1", port)),
-                            clean_env(), tmp_path)
+                            tmp_path, clean_env())
     line = the_line(lines)
     flag = "--main_process_port" if client == "accelerate" else "--master_port"
     assert code == 1 and f"port {port} is already in use" in line and flag in line, line
@@ -539,7 +463,7 @@ def test_a_host_the_script_itself_names_is_checked_in_the_rank(tmp_path):
     script.write_text(f'import torch.distributed as dist\ndist.init_process_group("gloo", "tcp://{BAD_HOST}:'
                       f'{free_port()}", rank=0, world_size=1)\n')
     began = time.monotonic()
-    code, lines = watch(diagnose_cmd(sys.executable, script), clean_env(), tmp_path)
+    code, lines = watch(diagnose_cmd(sys.executable, script), tmp_path, clean_env())
     line = the_line(lines)
     assert code == 1 and f"'{BAD_HOST}' (init_method) does not resolve" in line, line
     assert time.monotonic() - began < 20

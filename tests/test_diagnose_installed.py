@@ -1,9 +1,10 @@
 """torchdiagnose as a user gets it: the wheel built from diagnose/, installed in a venv of its own (torch from the
 Python that runs the tests, through a .pth naming its site-packages; nothing of the repository importable), run from
-a folder outside the repository on scripts written here in the shapes users write: the PyTorch DDP tutorial's
-(mp.spawn, MASTER_PORT set by the script, world_size passed to init_process_group; under mpirun too) and a torchrun
-script that evaluates on rank 0 while the others wait. Each case checks the words of its line and that the tool's last
-line repeats it after the launcher's report, the job ended at once, and no frame of the tool is in any traceback.
+a folder outside the repository on scripts in the shapes users write (tests/support/programs): the PyTorch DDP
+tutorial's (mp.spawn, MASTER_PORT set by the script, world_size passed to init_process_group; under mpirun too) and a
+torchrun script that evaluates on rank 0 while the others wait. Each case checks the words of its line and that the
+tool's last line repeats it after the launcher's report, the job ended at once, and no frame of the tool is in any
+traceback.
 """
 import fcntl
 import re
@@ -17,189 +18,19 @@ import pytest
 import torch
 
 import conftest
-from conftest import BIN, REPO, TOKEN_VARIABLE, free_port, mpi_env
-from test_hangs import watch
+from conftest import BIN, PROGRAMS, REPO, TOKEN_VARIABLE, free_port, mpi_env, watch
 
+# The users' programs the tool runs, as files (tests/support/programs). The port in them, the tutorial's, is replaced
+# with a free one.
+SPAWN_SCRIPT = (PROGRAMS / "spawn_tutorial.py").read_text()  # the PyTorch DDP tutorial's shape: mp.spawn
+TORCHRUN_SCRIPT = (PROGRAMS / "torchrun_train.py").read_text()  # env://, evaluation on rank 0 after each epoch
+OTHER_TORCH_SCRIPT = (PROGRAMS / "other_torch.py").read_text()  # one rank on a torch without a private API
+FSDP_TP_MODEL = (PROGRAMS / "fsdp_tp_model.py").read_text()  # the user's model, in a file of its own
+FSDP_TP_SCRIPT = (PROGRAMS / "fsdp_tp_train.py").read_text()  # a user's FSDP2 x TP script
+TUTORIAL_PORT = "12355"
 TIMEOUT = 6  # the tool's --timeout
 ENDS_WITHIN_S = 15  # from the tool's line to the job's last line (a stopped rank took torchrun 30 s more)
 TOOL_FRAME = re.compile(r'File "[^"]*[/\\]torchdiagnose[/\\]')
-
-SPAWN_SCRIPT = '''\
-"""The PyTorch DDP tutorial's shape: mp.spawn, MASTER_PORT set here, world_size passed to init_process_group."""
-import os
-import signal
-import time
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-FAULT = os.environ.get("FAULT", "")
-if FAULT == "stop_at_import" and __name__ == "__mp_main__":  # a spawned process, still importing this script
-    try:
-        with open("stopped.pid", "x") as f:  # the first to get here
-            f.write(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGSTOP)
-    except FileExistsError:
-        pass
-
-
-def setup(rank, world_size):
-    os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = "{port}"  # the tutorial's line
-    if FAULT == "stop_before_init" and rank == 1:
-        print("rank 1: stop_before_init", flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-
-
-def train(rank, world_size):
-    setup(rank, world_size)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(10):
-        if rank == 1 and step == 3 and FAULT in ("stall", "die"):
-            print(f"rank 1: {{FAULT}} at step 3", flush=True)
-            if FAULT == "stall":
-                time.sleep(3600)  # the stall
-            os.kill(os.getpid(), signal.SIGKILL)
-        optimizer.zero_grad()
-        model(torch.randn(32, 20)).pow(2).mean().backward()  # the backward line
-        optimizer.step()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    if "OMPI_COMM_WORLD_RANK" in os.environ:
-        train(int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"]))
-    else:
-        mp.spawn(train, args=(2,), nprocs=2)
-'''
-
-TORCHRUN_SCRIPT = '''\
-"""A torchrun script: env://, evaluation on rank 0 after each epoch while the others wait at a barrier."""
-import os
-import signal
-import time
-
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-FAULT = os.environ.get("FAULT", "")
-
-
-def evaluate(model):
-    head = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1, 64), torch.nn.LayerNorm(64),
-                                                     torch.nn.Linear(64, 1)) for _ in range(50)])
-    with torch.no_grad():
-        deadline = time.monotonic() + (3600 if FAULT == "slow" else 0)
-        while True:
-            head(model(torch.randn(256, 20)))  # the evaluation
-            if time.monotonic() > deadline:
-                return
-
-
-def main():
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for epoch in range(3):
-        for step in range(4):
-            if rank == 1 and epoch == 1 and step == 0 and FAULT == "stop":
-                print("rank 1: stop at epoch 1", flush=True)
-                os.kill(os.getpid(), signal.SIGSTOP)
-            optimizer.zero_grad()
-            model(torch.randn(32, 20)).pow(2).mean().backward()  # the backward line
-            optimizer.step()
-        if rank == 0:
-            print(f"rank 0: evaluation after epoch {epoch}", flush=True)
-            evaluate(model.module)  # rank 0 alone
-        dist.barrier()  # the barrier
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-OTHER_TORCH_SCRIPT = '''\
-"""A torch without one of the private APIs the tool reads: here, the flight recorder's reader, taken away."""
-import torch
-import torch.distributed as dist
-
-del torch._C._distributed_c10d._dump_fr_trace
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-dist.all_reduce(torch.ones(3))
-dist.destroy_process_group()
-print("done", flush=True)
-'''
-
-
-FSDP_TP_MODEL = '''\
-"""The user's model, in a file of its own: blocks of a norm and an MLP, its linears split by tensor parallelism."""
-import torch
-from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.w1 = nn.Linear(dim, 4 * dim)
-        self.w2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        return x + self.w2(torch.relu(self.w1(self.norm(x))))  # the block's line
-
-
-class Model(nn.Module):
-    def __init__(self, dim=32, depth=2):
-        super().__init__()
-        self.layers = nn.ModuleList(Block(dim) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)  # the layers' line
-        return x
-'''
-
-FSDP_TP_SCRIPT = '''\
-"""A user's FSDP2 x TP script (the shape of the well-known Llama examples): a 2-D mesh dp x tp, the model from
-model.py, its linears split over tp, then sharded over dp. STOP_RANK stops itself at step 3."""
-import os
-import signal
-
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-from model import Model
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-torch.manual_seed(0)
-model = Model()
-for block in model.layers:
-    parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    fully_shard(block, mesh=mesh["dp"])
-fully_shard(model, mesh=mesh["dp"])
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-for step in range(10):
-    if step == 3 and rank == int(os.environ.get("STOP_RANK", -1)):
-        print(f"rank {rank}: stop at step 3", flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
-    loss = model(torch.randn(8, 32)).pow(2).mean()  # the step's line
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-dist.destroy_process_group()
-'''
 
 
 def line_of(script, marker):
@@ -353,7 +184,7 @@ def test_a_users_fsdp_x_tp_script_a_stopped_rank_is_named_alone_with_its_groups_
 
 
 def test_spawn_a_stalled_rank_is_named_with_its_line(venv, elsewhere):
-    script = SPAWN_SCRIPT.format(port=free_port())
+    script = SPAWN_SCRIPT.replace(TUTORIAL_PORT, str(free_port()))
     (elsewhere / "tutorial.py").write_text(script)
     code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py", FAULT="stall")
     line = verdict(code, lines)
@@ -364,7 +195,7 @@ def test_spawn_a_stalled_rank_is_named_with_its_line(venv, elsewhere):
 
 
 def test_spawn_a_killed_rank_is_named_with_its_signal(venv, elsewhere):
-    script = SPAWN_SCRIPT.format(port=free_port())
+    script = SPAWN_SCRIPT.replace(TUTORIAL_PORT, str(free_port()))
     (elsewhere / "tutorial.py").write_text(script)
     code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py", FAULT="die")
     line = verdict(code, lines)
@@ -374,7 +205,7 @@ def test_spawn_a_killed_rank_is_named_with_its_signal(venv, elsewhere):
 def test_spawn_a_rank_stopped_before_init_is_named_and_the_size_comes_from_the_call(venv, elsewhere):
     """No WORLD_SIZE in the environment: the group's size is the world_size the script passed; rank 1 has not
     checked in, and it is stopped."""
-    script = SPAWN_SCRIPT.format(port=free_port())
+    script = SPAWN_SCRIPT.replace(TUTORIAL_PORT, str(free_port()))
     (elsewhere / "tutorial.py").write_text(script)
     code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py", FAULT="stop_before_init")
     line = verdict(code, lines)
@@ -387,7 +218,7 @@ def test_spawn_a_rank_stopped_while_importing_is_found_on_this_host_and_ended(ve
     """A spawned process stops itself while it still imports the script, before mp.spawn's wrapper runs: it is found
     among this host's processes by the index mp.spawn started it with, named stopped, and ended with the job (as
     rank 1 the other waits for it in the group; as rank 0 nothing answers where it would open the store)."""
-    script = SPAWN_SCRIPT.format(port=free_port())
+    script = SPAWN_SCRIPT.replace(TUTORIAL_PORT, str(free_port()))
     (elsewhere / "tutorial.py").write_text(script)
     code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py", FAULT="stop_at_import")
     line = verdict(code, lines)
@@ -401,7 +232,7 @@ def test_spawn_a_port_in_use_names_the_scripts_own_line(venv, elsewhere):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        script = SPAWN_SCRIPT.format(port=port)
+        script = SPAWN_SCRIPT.replace(TUTORIAL_PORT, str(port))
         (elsewhere / "tutorial.py").write_text(script)
         code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "tutorial.py")
     line = verdict(code, lines)
@@ -412,7 +243,7 @@ def test_spawn_a_port_in_use_names_the_scripts_own_line(venv, elsewhere):
 
 
 def test_mpirun_a_stalled_rank_is_named_with_its_line(venv, elsewhere):
-    script = SPAWN_SCRIPT.format(port=free_port())
+    script = SPAWN_SCRIPT.replace(TUTORIAL_PORT, str(free_port()))
     (elsewhere / "tutorial.py").write_text(script)
     code, lines = diagnosed(venv, elsewhere, BIN / "mpirun", "-np", "2", "--bind-to", "none", venv / "bin" / "python",
                             "tutorial.py", FAULT="stall")
@@ -422,7 +253,7 @@ def test_mpirun_a_stalled_rank_is_named_with_its_line(venv, elsewhere):
 
 
 def test_on_a_torch_without_a_private_api_it_says_which_and_the_job_runs_untouched(venv, elsewhere):
-    (elsewhere / "other_torch.py").write_text(OTHER_TORCH_SCRIPT.format(port=free_port()))
+    (elsewhere / "other_torch.py").write_text(OTHER_TORCH_SCRIPT.replace(TUTORIAL_PORT, str(free_port())))
     code, lines = diagnosed(venv, elsewhere, venv / "bin" / "python", "other_torch.py")
     output = [text for _, text in lines]
     assert code == 0 and output[-1] == "done", output

@@ -61,6 +61,23 @@ def test_describe_entry_and_group_text_name_a_meshs_group_by_its_dimension_and_r
     assert many["shapes"] == "[1], [2], [3], ..."
 
 
+def test_describe_entry_names_a_reduce_scatter_that_gloo_records_as_an_all_reduce():
+    # As torch 2.13's gloo records FSDP2's reduce-scatter of gradients: an all_reduce of the whole input, whose
+    # stack (innermost first) starts in reduce_scatter_single.
+    c10d = str(Path(torch.__file__).parent / "distributed" / "distributed_c10d.py")
+    stack = [{"filename": c10d, "name": "reduce_scatter_single", "line": 4910},
+             {"filename": str(Path(torch.__file__).parent / "distributed" / "c10d_logger.py"), "name": "wrapper"},
+             {"filename": "/home/me/train.py", "name": "step", "line": 80}]
+    entry = dict(ENTRY, profiling_name="gloo:all_reduce", input_sizes=[[8224]], frames=stack)
+    assert lines.issued_by(entry) == "reduce_scatter_single"
+    assert lines.describe_entry(entry)["kind"] == "reduce_scatter"
+    assert lines.describe_entry(entry)["shapes"] == "[8224]"  # the input: the whole gradients
+    # A real all_reduce stays one, as does an entry read without its stack (the watchdog's look).
+    stack[0]["name"] = "all_reduce"
+    assert lines.describe_entry(entry)["kind"] == "all_reduce"
+    assert lines.issued_by(ENTRY) is None and lines.describe_entry(dict(ENTRY, frames=[]))["kind"] == "all_gather"
+
+
 def test_ranks_text():
     assert lines.ranks_text([3]) == "rank 3"
     assert lines.ranks_text([2, 0, 1]) == "ranks 0, 1, 2"

@@ -8,15 +8,14 @@ text: the tests' probe (tests/support/sitecustomize.py, DDP_EXAMPLES_PROBE_STALL
 DecoderLayer.forward it runs after a given number of optimizer steps (tensor parallelism: layers.0; in a pipeline,
 the stage's first layer, for the step's first micro-batch), once the layer's input has arrived: sleep (its Python
 waits: the rank is named alive, idle, at its line), stop (it SIGSTOPs itself: named stopped), and backward (it sleeps
-in the backward of that call, when the gradient of the layer's output has come). The lines of the scripts are found
+in the backward of that call, when the gradient of the layer's output has come); or, on the mesh, stop as it enters
+a collective of one of its groups (FSDP2's reduce-scatter in its dp_shard group). The lines of the scripts are found
 in their text, so that edits elsewhere in them do not break the tests.
 """
 import re
 import subprocess
-import threading
-import time
 
-from conftest import BIN, REPO, check_no_abort, clean_env, kill_launched, start
+from conftest import (BIN, REPO, clean_env, watch)
 from language_model import read_text
 
 TIMEOUT = 6  # the tool's --timeout
@@ -39,26 +38,25 @@ def line_of(script, marker):
     raise AssertionError(f"{marker!r} is not in {script}")
 
 
-def diagnosed(tmp_path, script, stall, rank, step, nproc=2, args=(), aborts=False, timeout=TIMEOUT):
-    """Launch `script` on `nproc` ranks under torchdiagnose with rank `rank` stalled in step `step`: the tool's line
-    (exactly one, repeated as the job's last line) once the job has ended, which it must within HANG_GUARD_S."""
+def waiting(line):
+    """The line's 'waiting: ' part on a mesh: {'rank 1': 'the collective above of dp_shard group [1, 3]', ...}."""
+    return dict(re.findall(r"(?:waiting: |; )(rank \d) in (.*?), for rank", line))
+
+
+def diagnosed(tmp_path, script, stall, rank, step, nproc=2, args=(), aborts=False, timeout=TIMEOUT, where=None):
+    """Launch `script` on `nproc` ranks under torchdiagnose with rank `rank` stalled in step `step` (`where`: in a
+    collective, 'KIND@DIM', rather than in a layer): the tool's line (exactly one, repeated as the job's last line)
+    once the job has ended, which it must within HANG_GUARD_S."""
     text = tmp_path / "text.txt"
     text.write_text(read_text()[0][:TEXT_CHARACTERS], encoding="utf-8")
     cmd = [BIN / "torchdiagnose", "--timeout", timeout, BIN / "torchrun", "--standalone", f"--nproc_per_node={nproc}",
            REPO / script, *SIZES, *args, "--data", text, "--snapshot_path", tmp_path / "checkpoints"]
-    env = clean_env(OMP_NUM_THREADS=1, DDP_EXAMPLES_PROBE_STALL=f"{stall}:{rank}:{step}")
-    process = start(cmd, tmp_path, env)
-    hung = threading.Event()
-    timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
-    timer.start()
-    lines = [(time.monotonic(), line.rstrip("\n")) for line in process.stdout]
-    process.wait()
-    timer.cancel()
+    stall_at = f"{stall}:{rank}:{step}" + (f":{where}" if where else "")
+    env = clean_env(OMP_NUM_THREADS=1, DDP_EXAMPLES_PROBE_STALL=stall_at)
+    # gloo aborts a rank whose peer's collective does not match: `aborts` only where the test means it.
+    code, lines = watch(cmd, tmp_path, env, aborts=aborts, guard=HANG_GUARD_S)
     output = "\n".join(text for _, text in lines)
-    assert not hung.is_set(), f"still running after {HANG_GUARD_S}s:\n{output[-3000:]}"
-    if not aborts:  # gloo aborts a rank whose peer's collective does not match: only where the test means it
-        check_no_abort(output, script)
-    assert process.returncode != 0, output[-3000:]
+    assert code != 0, output[-3000:]
     assert any(f"rank {rank}: stall {stall}" in text for _, text in lines), output[-3000:]  # the probe ran
     found = [text for _, text in lines if text.startswith("diagnose: ")]
     assert len(found) == 1, output[-5000:]
@@ -136,7 +134,7 @@ def test_nd_a_stopped_rank_is_named_alone_with_who_waits_for_it_in_which_group(t
             rf"--timeout {MESH_TIMEOUT}s: rank 3 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs nothing until it "
             r"gets SIGCONT; waiting: ")
     assert re.match(head, line), line
-    waits = dict(re.findall(r"(?:waiting: |; )(rank \d) in (.*?), for rank", line))
+    waits = waiting(line)
     assert set(waits) == {"rank 0", "rank 1", "rank 2"}, line
     assert waits["rank 1"].endswith(" of dp_shard group [1, 3]") and waits["rank 2"].endswith(" of tp group [2, 3]")
     step = re.escape(line_of("nd_parallel.py", "return work(*args, **kwargs)"))  # the timed stage forward
@@ -186,7 +184,7 @@ def test_nd_at_8_processes_a_stopped_rank_is_named_alone_across_pipeline_tensor_
     assert re.match(rf"diagnose: .*? in (pp group \[1, 5\]|tp group \[4, 5\]|dp_shard group \[5, 7\]) waited more "
                     rf"than --timeout {MESH_TIMEOUT}s: rank 5 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs "
                     r"nothing until it gets SIGCONT; waiting: ", line), line
-    waits = dict(re.findall(r"(?:waiting: |; )(rank \d) in (.*?), for rank", line))
+    waits = waiting(line)
     assert set(waits) == {f"rank {r}" for r in (0, 1, 2, 3, 4, 6, 7)}, line
     assert waits["rank 1"].endswith(" of pp group [1, 5]") and waits["rank 4"].endswith(" of tp group [4, 5]"), line
     assert "different collectives" not in line and "did not arrive" not in line, line
@@ -202,3 +200,23 @@ def test_nd_a_rank_that_skips_a_layer_is_named_by_the_group_whose_collective_it_
     assert re.match(r"diagnose: collective #\d+ \(.*?\) in (tp group \[2, 3\]|dp_shard group \[1, 3\]) failed \(.*?\): "
                     r"rank 3 is gone: killed by SIGABRT \(pid \d+, on [^)]+\); gloo aborts a process whose peer's "
                     r"collective does not match its own", line), line
+
+
+def test_nd_a_rank_stopped_in_fsdps_reduce_scatter_is_named_with_its_dp_shard_group(tmp_path):
+    # The 4-process mesh; rank 3 stops as it enters its first FSDP2 reduce-scatter of step 12's gradients (which
+    # the schedule runs after the backward), before issuing it: the fault shows first in its dp_shard group [1, 3].
+    # Rank 1 waits in that reduce-scatter (gloo runs and records it as an all-reduce: named as what FSDP2 called);
+    # rank 2 goes on to the next module's gradients, and waits for rank 3 in a tp all-reduce; rank 0 for rank 1.
+    line = diagnosed(tmp_path, "nd_parallel.py", "stop", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"),
+                     timeout=MESH_TIMEOUT, where="reduce_scatter@dp_shard")
+    step = re.escape(line_of("nd_parallel.py", "self.schedule.step("))
+    head = (rf"diagnose: collective #\d+ \(reduce_scatter of \[\d+\], FSDP's at {step}\) in dp_shard group \[1, 3\] "
+            rf"waited more than --timeout {MESH_TIMEOUT}s: rank 3 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs "
+            r"nothing until it gets SIGCONT; waiting: ")
+    assert re.match(head, line), line
+    waits = waiting(line)
+    assert set(waits) == {"rank 0", "rank 1", "rank 2"}, line
+    assert waits["rank 1"] == "the collective above of dp_shard group [1, 3]", line
+    assert waits["rank 2"].endswith(" of tp group [2, 3]"), line
+    assert re.search(r"rank 0 in .*? of \w+ group \[0, [12]\], for rank [12], which waits in turn;", line), line
+    assert "odd one out" not in line and "did not arrive" not in line, line

@@ -13,12 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import (BIN, REPO, assert_bitwise_equal, clean_env, epoch_lines, finish, free_port, launched_pids,
-                      load_snapshot, process_state, start, summary)
-from test_reliability import children, torchrun_worker, wait_for
-
-# What docs/elastic.md's commands set: torchrun's shared store deadlocks a node that joins later.
-ELASTIC = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+from conftest import (BIN, ELASTIC, PROGRAMS, RDZV_CONF, REPO, alive, assert_bitwise_equal, children, clean_env,
+                      epoch_lines, finish, free_port, launched_pids, load_snapshot, release_when_stopped_by_torchrun,
+                      start, summary, torchrun_worker, wait_for)
 
 
 def paced(env, directory, seconds):
@@ -26,9 +23,6 @@ def paced(env, directory, seconds):
     that follows, a node alone runs free, and at full speed (about 0.1 s an epoch) it could finish the run there."""
     directory.mkdir(exist_ok=True)
     return {**env, "DDP_EXAMPLES_PROBE_SAMPLES": str(directory), "DDP_EXAMPLES_PROBE_STEP_DELAY": str(seconds)}
-# torchrun's defaults would cost minutes: 30 s in which a lone node waits for more before it starts (last
-# call), 15 s before a dead node is dropped (3 missed heartbeats, 5 s apart).
-RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 EPOCHS = 12
 STEPS = {1: 64, 2: 32}  # 2048 samples, 32 per rank and step: the steps of an epoch tell its world size
 
@@ -38,18 +32,6 @@ def agent_cmd(node, port, *args, max_restarts=3, launcher=(BIN / "torchrun",), n
             "--rdzv_id=elastic", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
             f"--rdzv_conf={RDZV_CONF}", REPO / "multinode.py", "--total_epochs", str(EPOCHS), "--save_every", "1",
             "--batch_size", "32", "--timeout", "30", "--snapshot_path", f"node{node}.pt", *args]
-
-
-# A node started now that runs its command only once the file `go` exists. Its process, which torchrun
-# becomes (exec keeps the pid), exists before the other nodes': torchrun orders the nodes of a rendezvous
-# by address, then pid, so this node takes rank 0 when it joins.
-HELD_BACK = ("import os, sys, time\n"
-             "go, deadline = sys.argv[1], time.monotonic() + 300\n"
-             "while not os.path.exists(go):\n"
-             "    if time.monotonic() > deadline:\n"
-             "        sys.exit('never told to start')\n"
-             "    time.sleep(0.01)\n"
-             "os.execv(sys.argv[2], sys.argv[2:])\n")
 
 
 _seen = {}  # path -> ((mtime, inode), epochs): a snapshot is read again only once it was replaced
@@ -66,21 +48,6 @@ def epochs_in(path):
     return _seen[path][1]
 
 
-def alive(pid):
-    return process_state(pid) not in (None, "Z")
-
-
-def signal_pending(pid, sig):
-    """Whether `sig` waits to be delivered to the process: a stopped one gets it only once continued."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            status = f.read()
-    except OSError:
-        return False
-    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
-    return any(mask & (1 << (sig - 1)) for mask in masks)
-
-
 def hold(agent, restart):
     """SIGSTOP the node's worker of this restart round: its training stands still, and the others wait on it.
     Its snapshot cannot change while it is held."""
@@ -89,14 +56,6 @@ def hold(agent, restart):
     assert worker, "the node's worker should be training"
     os.kill(worker, signal.SIGSTOP)
     return worker
-
-
-def release_when_stopped_by_torchrun(worker):
-    """Let a held worker go once its agent has sent it SIGTERM to re-form the group: it ends at once."""
-    wait_for(lambda: signal_pending(worker, signal.SIGTERM) or not alive(worker), 120,
-             "torchrun to stop the held worker for the new node")
-    os.kill(worker, signal.SIGCONT)
-    wait_for(lambda: not alive(worker), 60, "the held worker to end")
 
 
 def phases(output):
@@ -119,7 +78,10 @@ def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_
     port, go = free_port(), tmp_path / "go"
     node0, node1, node2 = (tmp_path / f"node{n}.pt" for n in range(3))
     env = paced(ELASTIC, tmp_path / "probe", 0.02)  # 1.3 s an epoch alone: node 0 cannot run to the end unseen
-    late = start([sys.executable, "-c", HELD_BACK, go, *agent_cmd(2, port, max_restarts=0)], tmp_path, env)
+    # A node started now (tests/support/programs/held_back.py) that runs its command only once the file `go`
+    # exists. Its process, which torchrun becomes (exec keeps the pid), exists before the other nodes': torchrun
+    # orders the nodes of a rendezvous by address, then pid, so this node takes rank 0 when it joins.
+    late = start([sys.executable, PROGRAMS / "held_back.py", go, *agent_cmd(2, port, max_restarts=0)], tmp_path, env)
     first = start(agent_cmd(0, port), tmp_path, env)
     assert late.pid < first.pid, "node 2's pid must be the lower one (pid numbers wrapped around?)"
 

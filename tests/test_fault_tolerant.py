@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, check_no_abort, clean_env, finish,
-                      free_port, kill_launched, listening, load_snapshot, python_cmd, run, start, torchrun_cmd)
+from conftest import (REPO, assert_bitwise_equal, assert_one_line_error, check_no_abort, clean_env, finish,
+                      free_port, kill_launched, load_snapshot, python_cmd, run, start, start_lighthouse,
+                      torchrun_cmd)
 
 STEP = re.compile(r"^Step (\d+) \| groups (\d+) \| loss ([\d.]+)$", re.M)
 NOT_COMMITTED = re.compile(r"^Step (\d+) \| not committed", re.M)
@@ -28,7 +29,6 @@ SUMMARY = re.compile(r"^Summary: steps committed (\d+) \| by this group (\d+) tr
 # Each group sleeps this long after a step: a group that joins must find the others still training (it is started
 # with them and held until then: held_env), and the steps then run at much the same pace on any machine.
 DELAY = "0.1"
-LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
 
 
 def held_env(gate, **extra):
@@ -38,17 +38,6 @@ def held_env(gate, **extra):
     remaining steps (seen: 16 s of 26)."""
     gate.mkdir()
     return clean_env(DDP_EXAMPLES_HOLD=f"torchft:{gate}", **extra)  # the probe (tests/support) holds it
-
-
-def start_lighthouse():
-    port = free_port()
-    process = start([BIN / "torchft_lighthouse", "--bind", f"127.0.0.1:{port}", *LIGHTHOUSE_FLAGS], cwd=REPO,
-                    env=clean_env(RUST_LOG="warn"))  # at "info" it logs every quorum: a full pipe would stall it
-    deadline = time.monotonic() + 30
-    while not listening(port):
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
-        time.sleep(0.05)
-    return process, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

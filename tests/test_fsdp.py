@@ -22,14 +22,13 @@ from torch.distributed.checkpoint import FileSystemReader, save
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, assert_said_by_rank_0, checkpoint_sums,
-                      clean_env, collectives_issued, epoch_lines, finish, flip, free_port, run, start, summary,
-                      torchrun_cmd)
+from conftest import (BIN, PROGRAMS, REPO, assert_bitwise_equal, assert_one_line_error, assert_said_by_rank_0,
+                      checkpoint_sums, clean_env, collectives_issued, epoch_batches, epoch_lines, finish, flip,
+                      free_port, run, start, stopped_worker, summary, torchrun_cmd, torchrun_worker)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import read_text
 from models_and_data import BlockMLP
-from test_reliability import stopped_worker, torchrun_worker
-from test_step_checkpoints import epoch_batches
+
 
 FLAGS = ("--save_every", "2", "--batch_size", "256")  # 4 steps an epoch at 2 ranks: FSDP on a CPU is slow per step
 EPOCHS = 4
@@ -139,26 +138,6 @@ def test_a_two_rank_checkpoint_loads_at_another_world_size_with_the_full_state(u
     assert_bitwise_equal(saved, torch.load(tmp_path / "full.pt", weights_only=True), f"loaded at {nproc} ranks")
 
 
-KILLER = """\
-import os, runpy, signal, sys, threading
-sys.path.insert(0, {repo!r})
-import torch.distributed.checkpoint.filesystem as filesystem
-write_item = filesystem._write_item
-
-def dying_write(transforms, stream, *args):
-    # Rank 1, while it writes its shards of the epoch-4 checkpoint: half a file, then a real SIGKILL.
-    if os.environ["RANK"] == "1" and "epoch_000004.tmp" in stream.name:
-        stream.write(f"half a shard, written by {{threading.current_thread().name}}".encode())
-        stream.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return write_item(transforms, stream, *args)
-
-filesystem._write_item = dying_write
-sys.argv[0] = {script!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def start_two_nodes(*args, cwds, merge_output=True):
     """fsdp.py on two torchrun agents of one rank each, as on two machines, node i started in cwds[i].
     torchrun sets OMP_NUM_THREADS=1 only for several processes a node; set here as the standalone runs have it,
@@ -182,9 +161,9 @@ def two_nodes(*args, cwd):
 def test_a_sigkill_during_an_async_save_leaves_the_previous_checkpoint_and_two_nodes_resume_bitwise(uninterrupted,
                                                                                                   tmp_path):
     directory, _ = uninterrupted
-    (tmp_path / "killer.py").write_text(KILLER.format(repo=str(REPO), script=str(REPO / "fsdp.py")))
-    job = start([BIN / "torchrun", "--standalone", "--nproc_per_node=2", tmp_path / "killer.py",
-                 "--total_epochs", "6", *FLAGS, "--async_save"], cwd=tmp_path)
+    # Rank 1, while it writes its shards of the epoch-4 checkpoint: half a file, then a real SIGKILL (the probe).
+    job = start(torchrun_cmd("fsdp.py", "--total_epochs", "6", *FLAGS, "--async_save"), cwd=tmp_path,
+                env=clean_env(DDP_EXAMPLES_PROBE_KILL_IN_SAVE="1:epoch_000004.tmp"))
     out = finish(job, 180)
     assert job.returncode != 0 and "SIGKILL" in out, out[-3000:]
     checkpoints = tmp_path / "fsdp_checkpoints"
@@ -208,38 +187,12 @@ def test_a_sigkill_during_an_async_save_leaves_the_previous_checkpoint_and_two_n
                          full_state(checkpoints / "epoch_000004", tmp_path), "resumed from the killed run")
 
 
-SLOW_TO_LET_GO = """\
-import runpy, sys, threading, time
-sys.path.insert(0, {repo!r})
-import torch.distributed.checkpoint._async_thread_executor as executor_module
-
-class SlowToLetGo(executor_module.ThreadPoolExecutor):
-    # The save thread holds the save's arguments (the staged state, the groups) a second after its future is
-    # done: a done-callback runs in that thread, before it drops them. The gate makes sure the callback is
-    # added before the save can finish.
-    def submit(self, fn, /, *args, **kwargs):
-        gate = threading.Event()
-        def gated(*a, **k):
-            gate.wait()
-            return fn(*a, **k)
-        future = super().submit(gated, *args, **kwargs)
-        future.add_done_callback(lambda _: time.sleep(1))
-        gate.set()
-        return future
-
-executor_module.ThreadPoolExecutor = SlowToLetGo
-sys.argv[0] = {script!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def test_the_process_group_is_freed_even_when_the_async_save_thread_lets_go_late(tmp_path):
     """DCP's save thread drops the save's arguments only after its future is done; fsdp.py waits for that thread
     before destroy_process_group, else the groups outlive it (the probe of tests/support fails the launch).
     Seen once in four suite runs; made certain here by holding the thread back a second."""
-    (tmp_path / "slow.py").write_text(SLOW_TO_LET_GO.format(repo=str(REPO), script=str(REPO / "fsdp.py")))
-    out = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", tmp_path / "slow.py", "--total_epochs", "2",
-               *FLAGS, "--async_save"], cwd=tmp_path).stdout
+    out = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", PROGRAMS / "slow_to_let_go.py",
+               REPO / "fsdp.py", "--total_epochs", "2", *FLAGS, "--async_save"], cwd=tmp_path).stdout
     assert summary(out).epochs == 2
     assert sorted(p.name for p in (tmp_path / "fsdp_checkpoints").iterdir()) == ["epoch_000002"]
     checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"  # summed in the save thread

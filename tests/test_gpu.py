@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import (REPO, assert_one_line_error, epoch_losses, gpu_env, load_snapshot, mpi_env, mpirun_cmd,
-                      python_cmd, run, summary, torchrun_cmd)
-from test_fault_tolerant import start_lighthouse
+                      python_cmd, run, start_lighthouse, summary, torchrun_cmd)
+
 from language_model import read_text
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

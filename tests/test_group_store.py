@@ -6,8 +6,8 @@ import os
 import re
 from pathlib import Path
 
-from conftest import finish, kill_launched, start, torchrun_cmd
-from test_reliability import torchrun_worker, wait_for
+from conftest import (finish, kill_launched, start, torchrun_cmd, torchrun_worker, wait_for)
+
 
 WILDCARD = {"00000000", "00000000000000000000000000000000"}
 

@@ -5,17 +5,14 @@ user's script under every launcher, are in test_diagnose.py; here run_with_mpiru
 by a wrapper that deadlocks one rank after an optimizer step.
 """
 import json
-import threading
-import time
 
 import pytest
 
-from conftest import (BIN, REPO, assert_one_line_error, check_no_abort, clean_env, kill_launched, mpi_env, mpirun_cmd,
-                      python_cmd, run, start, torchrun_cmd)
+from conftest import (BIN, PROGRAMS, REPO, assert_one_line_error, clean_env, mpi_env, mpirun_cmd, python_cmd, run,
+                      torchrun_cmd, watch)
 
 TIMEOUT = 8  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
 DEADLINE_S = TIMEOUT + 30  # from the fault to the job's end
-HANG_GUARD_S = 240  # a launch still running then is called hung (and killed, and the test fails)
 MLP_PARAMETERS = 20 * 64 + 64 + 64 * 64 + 64 + 64 + 1  # models_and_data.MLP(20): one gradient bucket
 SOURCE = (REPO / "hangs.py").read_text().splitlines()
 
@@ -30,25 +27,6 @@ def line_of(marker, source=SOURCE, name="hangs.py"):
 def diagnosed(launch):
     """torchdiagnose (the package requirements-dev.txt installs) in front of a launch."""
     return [BIN / "torchdiagnose", "--timeout", str(TIMEOUT), *map(str, launch)]
-
-
-def watch(cmd, cwd, env=None, aborts=False, probes=True):
-    """Run a launch to its end, every line with the time it came: (exit code, [(time, line)]). One that outlives
-    HANG_GUARD_S is killed and fails the test, and so does one that printed an abort marker unless `aborts`.
-    probes=False: without the tests' probes (conftest.start)."""
-    process = start(cmd, cwd, env, probes=probes)
-    hung = threading.Event()
-    timer = threading.Timer(HANG_GUARD_S, lambda: (hung.set(), kill_launched()))
-    timer.start()
-    lines = [(time.monotonic(), line.rstrip("\n")) for line in process.stdout]
-    process.wait()
-    timer.cancel()
-    output = "\n".join(line for _, line in lines)
-    if hung.is_set():
-        pytest.fail(f"{' '.join(map(str, cmd))} still running after {HANG_GUARD_S}s:\n{output[-3000:]}")
-    if not aborts:
-        check_no_abort(output, " ".join(map(str, cmd)))
-    return process.returncode, lines
 
 
 def the_line(lines):
@@ -139,34 +117,11 @@ def test_bad_input_is_one_line(tmp_path, cmd, message):
     assert_one_line_error(result, message, code=1 if "torchrun" in str(cmd[0]) else 2)
 
 
-FAULTY = """\
-import os, runpy, sys, threading
-sys.path.insert(0, {repo!r})
-import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
-
-
-def after_step(optimizer, args, kwargs, steps=[0]):
-    steps[0] += 1
-    if steps[0] == 40 and dist.get_rank() == 1:  # in the second epoch of 32 steps
-        os.write(1, b"rank 1: stall at step 40\\n")
-        lock = threading.Lock()
-        lock.acquire()
-        lock.acquire()  # the stall
-
-
-register_optimizer_step_post_hook(after_step)
-sys.argv[0] = {script!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.slow
 def test_mpirun_train_under_the_tool_names_a_stuck_rank(tmp_path):
     """run_with_mpirun.py --train, rank 1 deadlocked after its 40th step by a wrapper: the tool names it."""
-    wrapper = tmp_path / "faulty.py"
-    wrapper.write_text(FAULTY.format(repo=str(REPO), script=str(REPO / "run_with_mpirun.py")))
-    launch = mpirun_cmd(wrapper, "--train", "--total_epochs", "1000", "--save_every", "1000")
+    launch = mpirun_cmd(PROGRAMS / "stall_at_step_40.py", REPO / "run_with_mpirun.py", "--train", "--total_epochs",
+                        "1000", "--save_every", "1000")
     code, lines = watch(diagnosed(launch), tmp_path, mpi_env())
     assert code != 0
     line = the_line(lines)
@@ -176,7 +131,7 @@ def test_mpirun_train_under_the_tool_names_a_stuck_rank(tmp_path):
     # The script the rank runs (run_with_mpirun.py, which the wrapper runs as __main__) first, at its call that led
     # to the stall; then the innermost frame, the wrapper's hook.
     step = line_of("optimizer.step()", script, "run_with_mpirun.py")
-    stall = line_of("# the stall", FAULTY.splitlines(), "faulty.py")
+    stall = line_of("# the stall", (PROGRAMS / "stall_at_step_40.py").read_text().splitlines(), "stall_at_step_40.py")
     assert f"rank 1 did not arrive: it is alive, in its own code at {step} (innermost: {stall} in after_step)" \
         in line, line
     ends_in_time(lines, "rank 1: stall at step 40")
@@ -187,7 +142,7 @@ def test_the_flight_recorder_benchmark_runs_and_writes_its_figures(tmp_path):
     """benchmarks/hang_diagnosis.py (the cost of the flight recorder the tool reads) at a smoke-test size: the
     three settings side by side, one JSON."""
     out = run(python_cmd("benchmarks/hang_diagnosis.py", "--repeats", "1", "--steps", "20", "--warmup", "2",
-                         "--collectives", "40", "--out", tmp_path), cwd=tmp_path, timeout=HANG_GUARD_S).stdout
+                         "--collectives", "40", "--out", tmp_path), cwd=tmp_path, timeout=240).stdout
     assert "Flight recorder cost" in out, out[-2000:]
     data = json.loads((tmp_path / "hang_diagnosis.json").read_text())
     assert data["machine"]["cpu_cores"] >= 1 and data["torch"] and data["world_size"] == 2

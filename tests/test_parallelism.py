@@ -127,25 +127,6 @@ def launch(script, *args, nproc, cwd, check=True):
     return result.stdout + result.stderr if check else result
 
 
-KILLER = """\
-import os, runpy, signal, sys
-sys.path.insert(0, {repo!r})
-import torch.distributed.checkpoint.filesystem as filesystem
-write_item = filesystem._write_item
-
-def dying_write(transforms, stream, *args):
-    # Rank 1, while it writes its part of the epoch-{epoch} checkpoint: half a file, then a real SIGKILL.
-    if os.environ["RANK"] == "1" and "epoch_{epoch:06d}.tmp" in stream.name:
-        stream.write(b"half a shard")
-        stream.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return write_item(transforms, stream, *args)
-
-filesystem._write_item = dying_write
-sys.argv[0] = {script!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 # ---- the resume matrix: each script resumes each one's checkpoints, an epoch a launch, a new layout each ----
 
 T, P, N = "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py"
@@ -187,9 +168,9 @@ def matrix(tmp_path_factory):
 
     for epoch, (script, nproc, flags, _) in enumerate(MATRIX):
         if epoch == 2:
-            (directory / "killer.py").write_text(KILLER.format(repo=str(REPO), script=str(REPO / P), epoch=3))
-            job = start([BIN / "torchrun", "--standalone", "--nproc_per_node=2", directory / "killer.py",
-                         "--total_epochs", "3", "--schedule", "dualpipev", *F64], cwd=directory, env=clean_env(**ENV))
+            # Rank 1, while it writes its part of the epoch-3 checkpoint: half a file, then a real SIGKILL (the probe).
+            job = start(torchrun_cmd(P, "--total_epochs", "3", "--schedule", "dualpipev", *F64), cwd=directory,
+                        env=clean_env(**ENV, DDP_EXAMPLES_PROBE_KILL_IN_SAVE="1:epoch_000003.tmp"))
             out = finish(job, 300)
             assert job.returncode != 0 and "SIGKILL" in out, out[-3000:]
             after(out)

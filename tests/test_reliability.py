@@ -14,36 +14,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import (BIN, REPO, assert_bitwise_equal, assert_same_training_state, clean_env, finish, free_port,
-                      load_snapshot, mpi_env, mpirun_cmd, process_state, python_cmd, run, start, summary, torchrun_cmd)
+from conftest import (BIN, HANG_GUARD_S, PROGRAMS, REPO, assert_bitwise_equal, assert_same_training_state, children,
+                      clean_env, environ, finish, free_port, load_snapshot, mpi_env, mpirun_cmd, python_cmd, run, start,
+                      stopped_worker, summary, torchrun_cmd, torchrun_worker, wait_for)
 
 FLAGS = ("--save_every", "2", "--batch_size", "16")
 EPOCHS = "16"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
-# How long a whole training job may take before the test calls it hung: it asserts no speed (an idle machine
-# runs these jobs in under a minute), it only ends a test that would otherwise wait forever.
-HANG_GUARD_S = 600
-
-
-def wait_for(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.005)
-
-
-def children(pid):
-    """Direct child processes of pid, from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def running(pid, script):
@@ -51,35 +27,6 @@ def running(pid, script):
         return script.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-
-
-def environ(pid):
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def torchrun_worker(agent_pid, local_rank, restart=0):
-    """The pid of the worker torchrun started with this LOCAL_RANK, in this restart round, or None."""
-    for pid in children(agent_pid):
-        env = environ(pid)
-        if env.get("LOCAL_RANK") == str(local_rank) and env.get("TORCHELASTIC_RESTART_COUNT") == str(restart):
-            return pid
-    return None
-
-
-def stopped_worker(job, local_rank, restart=0):
-    """The pid of torchrun's worker once the probe has stopped it (DDP_EXAMPLES_PROBE_STOP_AT in
-    tests/support/sitecustomize.py), to be killed at exactly that step: no wait from outside can race the job."""
-    def stopped():
-        pid = torchrun_worker(job.pid, local_rank, restart)
-        return pid if pid and process_state(pid) == "T" else None
-    wait_for(lambda: stopped() or job.poll() is not None, 120, f"rank {local_rank} to stop at its step")
-    pid = stopped()
-    assert pid, f"the job ended before rank {local_rank} stopped: {finish(job, 30)}"
-    return pid
 
 
 def descendants(pid):
@@ -138,17 +85,8 @@ def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path):
     path = tmp_path / "multigpu_torchrun.pt"
     before = path.read_bytes()
     # A real SIGKILL in the middle of the script's own save: torch.save writes part of the file, then rank 0 dies.
-    (tmp_path / "dying_save.py").write_text(
-        "import os, runpy, signal, sys, torch\n"
-        "def half_a_save(obj, f):\n"
-        "    f.write(b'the first half of a snapshot'); f.flush()\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "torch.save = half_a_save\n"
-        f"sys.path.insert(0, {str(REPO)!r})\n"
-        f"sys.argv[0] = {str(REPO / 'multigpu_torchrun.py')!r}\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", tmp_path / "dying_save.py",
-                  "--total_epochs", "3", *FLAGS], cwd=tmp_path, check=False)
+    killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", PROGRAMS / "dying_save.py",
+                  REPO / "multigpu_torchrun.py", "--total_epochs", "3", *FLAGS], cwd=tmp_path, check=False)
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in killed.stderr, killed.stderr[-3000:]
     assert "Resuming from multigpu_torchrun.pt at epoch 2" in killed.stdout
     assert path.read_bytes() == before, "the old snapshot must be untouched"

@@ -16,11 +16,11 @@ from subprocess import PIPE
 
 import pytest
 
-from conftest import (BIN, PROBE, REPO, assert_bitwise_equal, check_no_abort, clean_env, collectives_issued,
+from conftest import (BIN, REPO, assert_bitwise_equal, check_no_abort, clean_env, collectives_issued,
                       epoch_lines, load_snapshot, process_state, run, summary, torchrun_cmd)
-from slurm_cluster import NODES, SlurmCluster, site_libmpi, unavailable
+from slurm_cluster import NODES, WHY_NOT, job_env, launched_on, site_libmpi
+from slurm_cluster import slurm_cluster  # noqa: F401  the fixture `cluster` (its name=), a cluster for this module
 
-WHY_NOT = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 # Each job is bounded twice: Slurm ends it after JOB_MINUTES, the test stops waiting a little later.
@@ -40,24 +40,11 @@ STEPS_PER_EPOCH = 32
 STOP_STEP = STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2
 
 
-@pytest.fixture(scope="module", name="cluster")
-def slurm_cluster(tmp_path_factory):
-    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as running:
-        yield running
-    assert not running.processes(), "processes of the cluster's jobs outlived it"
-
-
 def checkout(directory):
     """A user's copy of the repository to submit from (sbatch files unchanged; no tests, no snapshots)."""
     shutil.copytree(REPO, directory, ignore=shutil.ignore_patterns(
         ".git", "tests", "__pycache__", ".pytest_cache", "snapshots", "*.pt", "*.out", "results"))
     return directory
-
-
-def job_env(**extra):
-    """The submitter's environment, which sbatch hands to the job: the tests' probes (tests/support) load in
-    every Python process of the job, which checks the teardown and counts each rank's collectives."""
-    return clean_env(PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=PROBE, DDP_EXAMPLES_PROBE_COLLECTIVES=1, **extra)
 
 
 def sbatch(cluster, submit_dir, script, *options, env, timeout=SBATCH_TIMEOUT):
@@ -78,12 +65,6 @@ def job_output(submit_dir, job_id):
     """The files' --output=%x-%j.out, in the submit directory."""
     (path,) = submit_dir.glob(f"*-{job_id}.out")
     return path.read_text()
-
-
-def launched_on(cluster, job_id):
-    """The nodes whose slurmd started a task of the job's srun (the last, for a requeued job)."""
-    return [node for node in NODES
-            if f"launch task StepId={job_id}.0 " in (cluster.root / "log" / f"slurmd-{node}.log").read_text()]
 
 
 def allocated(output):

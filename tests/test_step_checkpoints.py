@@ -14,10 +14,12 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, finish,
-                      free_port, listening, load_snapshot, python_cmd, run, start, summary, torchrun_cmd)
-from test_elastic import ELASTIC, RDZV_CONF, release_when_stopped_by_torchrun
-from test_reliability import HANG_GUARD_S, children, stopped_worker, torchrun_worker, wait_for
+from conftest import (BIN, ELASTIC, HANG_GUARD_S, RDZV_CONF, REPO, assert_bitwise_equal, assert_one_line_error,
+                      children, clean_env, epoch_batches, epoch_lines, events, finish, free_port, listening,
+                      load_snapshot, python_cmd, release_when_stopped_by_torchrun, run, start, stopped_worker, summary,
+                      torchrun_cmd, torchrun_worker, wait_for)
+
+
 
 SCRIPT = "by_feature/step_checkpoints.py"
 N = 4096  # the example's dataset
@@ -34,26 +36,8 @@ def probe_env(directory, stop_at=None):
     return clean_env(DDP_EXAMPLES_PROBE_SAMPLES=directory, **stop)
 
 
-def events(directory, rank, restart=0):
-    """The probe's events of one rank in one restart round, in order (one process each; whole lines only, since
-    the process may be writing the last one)."""
-    (path,) = directory.glob(f"rank{rank}-restart{restart}-*.jsonl")
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
-
-
 def steps_taken(directory, rank, restart=0):
     return sum("step" in event for event in events(directory, rank, restart))
-
-
-def epoch_batches(directory, rank, restart=0):
-    """[[batch indices, ...] of each pass of the DataLoader] of one process."""
-    passes = []
-    for event in events(directory, rank, restart):
-        if "iter" in event:
-            passes.append([])
-        elif "batch" in event:
-            passes[-1].append(event["batch"])
-    return passes
 
 
 @pytest.fixture(scope="module")

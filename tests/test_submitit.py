@@ -12,11 +12,10 @@ import time
 import pytest
 
 import conftest
-from conftest import (MNIST, REPO, assert_bitwise_equal, check_no_abort, collectives_issued, epoch_lines, free_port,
-                      load_snapshot, summary)
-from test_clients import SCRIPTS as CLIENT_SCRIPTS
-from test_slurm import WHY_NOT, job_env, launched_on
-from test_slurm import slurm_cluster  # noqa: F401  the fixture `cluster` (its name=), a cluster for this module
+from conftest import (CLIENT_SCRIPTS, MNIST, REPO, assert_bitwise_equal, check_no_abort, collectives_issued,
+                      epoch_lines, free_port, load_snapshot, summary)
+from slurm_cluster import WHY_NOT, job_env, launched_on
+from slurm_cluster import slurm_cluster  # noqa: F401  the fixture `cluster` (its name=), a cluster for this module
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 # script: (first submission's arguments, the second's). Steps 3 and 4: the by_feature scripts run as step 3 does,

@@ -1,5 +1,6 @@
 """The DDP tutorial series (singlegpu -> multigpu -> multigpu_torchrun -> multinode) under its real launchers."""
 import os
+import re
 
 import pytest
 import torch
@@ -84,6 +85,42 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(tmp_path):
     for name in ddp:
         assert torch.allclose(ddp[name], single[name], rtol=1e-4, atol=1e-5), name
     assert any(not torch.allclose(ddp[n], initial[n]) for n in ddp), "the weights must have been trained"
+
+
+def step3_on_two_machines(node_dirs, *args):
+    """Step 3 as a user might run it on two machines: a torchrun a node, 1 process each, each node in a folder of its
+    own (its own disk), over the c10d rendezvous on 127.0.0.1."""
+    port = free_port()
+    agents = [start([BIN / "torchrun", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_id=step3",
+                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", REPO / "multigpu_torchrun.py",
+                     "--timeout", "60", *args], directory) for node, directory in enumerate(node_dirs)]
+    outputs = [finish(agent, 600) for agent in agents]  # a hang guard, not a speed bound
+    return [agent.returncode for agent in agents], outputs
+
+
+def test_step3_on_two_machines_stops_ranks_that_resume_at_different_epochs(tmp_path):
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for directory in node_dirs:
+        directory.mkdir()
+    codes, outputs = step3_on_two_machines(node_dirs, "--total_epochs", "1")
+    assert codes == [0, 0], outputs
+    saved = [directory for directory in node_dirs if (directory / "multigpu_torchrun.pt").exists()]
+    assert len(saved) == 1, "rank 0 alone saves, on its own node's disk"
+    before = (saved[0] / "multigpu_torchrun.pt").read_bytes()
+
+    # Run again: one rank finds epoch 1 on its disk, the other nothing. Each would train other epochs, and the
+    # job would fail at the end; it stops before any step, every rank with the same line.
+    codes, outputs = step3_on_two_machines(node_dirs, "--total_epochs", "3")
+    assert codes == [1, 1], outputs
+    both = "".join(outputs)
+    errors = {line for line in both.splitlines() if line.startswith("error: ")}
+    assert len(errors) == 1, both
+    line = errors.pop()
+    held = re.match(r"error: the ranks resume at different epochs \(rank 0 at epoch (\d), rank 1 at epoch (\d)\)", line)
+    assert held and sorted(held.groups()) == ["0", "1"], line
+    assert "multinode.py" in line, line
+    assert not epoch_lines(both), "no rank may train"
+    assert (saved[0] / "multigpu_torchrun.pt").read_bytes() == before
 
 
 def multinode_agents(cwd, port, *args):

@@ -161,9 +161,21 @@ def describe_entry(entry, waited=None):
     shapes = ", ".join("[" + ", ".join(map(str, size)) + "]" for size in sizes[:3])
     shapes += ", ..." if len(sizes) > 3 else ""
     group = entry.get("process_group") or ("", "")
-    return {"seq": entry.get("collective_seq_id"), "kind": str(entry.get("profiling_name", "")).split(":")[-1] or None,
-            "shapes": shapes or None, "group": str(group[1] or group[0]), "group_name": str(group[0]),
-            "waited": waited}
+    kind = str(entry.get("profiling_name", "")).split(":")[-1] or None
+    if kind == "all_reduce" and (issued_by(entry) or "").startswith("reduce_scatter"):
+        # gloo runs a reduce-scatter as an all-reduce of the whole input (then keeps its slice), and records that
+        kind = "reduce_scatter"
+    return {"seq": entry.get("collective_seq_id"), "kind": kind, "shapes": shapes or None,
+            "group": str(group[1] or group[0]), "group_name": str(group[0]), "waited": waited}
+
+
+def issued_by(entry):
+    """The torch.distributed function that issued a flight recorder entry (the innermost of its stack's frames in
+    distributed_c10d.py), or None: no stack (the recorder read without), or a functional collective's (DTensor's)."""
+    for frame in entry.get("frames") or []:  # innermost first
+        if str(frame.get("filename", "")).replace("\\", "/").endswith("/torch/distributed/distributed_c10d.py"):
+            return frame.get("name")
+    return None
 
 
 def group_text(entry):

@@ -30,7 +30,7 @@ FRAMES = 3  # how many of the main thread's innermost frames may hold the Work i
 
 # (weakref to Work, kind, peer (global rank), peer in its group, id of the group (None: default), Size, issued at)
 _ops = collections.deque(maxlen=RING)
-watching = [False]  # set once this rank watches (rank.py's _started), cleared as the group goes
+watching = [False]  # set once this rank watches (start.started), cleared as the group goes
 
 
 SIGNATURES = {"isend": ("tensor", "dst", "group", "tag", "group_dst"),

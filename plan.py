@@ -587,8 +587,8 @@ def parse_args(argv=None):
     search.add_argument("--gpus_per_node", type=positive_int, default=8, help="GPUs a node (default 8)")
     search.add_argument("--gpu_memory", type=float, default=80, help="GiB a GPU (default 80)")
     search.add_argument("--gpu_flops", type=float, default=989e12,
-                        help="a GPU's peak FLOP/s at the weights' precision (default 989e12: an H100 SXM's dense "
-                        "bf16; float32 through TF32 the same on Hopper)")
+                        help="a GPU's peak FLOP/s at the matmuls' precision (default 989e12: an H100 SXM's dense "
+                        "bf16; its TF32, float32's fast path, is half that)")
     search.add_argument("--utilization", type=float, default=0.4, help="the share of --gpu_flops the step's "
                         "matrix products reach (default 0.4)")
     search.add_argument("--intra_node", type=float, default=450e9,

@@ -399,6 +399,24 @@ def tokens_held(cp_mesh, seq_len):
     return f"tokens {i * c}-{(i + 1) * c - 1} and {(chunks - 1 - i) * c}-{(chunks - i) * c - 1} of {seq_len}"
 
 
+def apply_fsdp(part, mesh, fsdp_mesh, expert_mesh=None):
+    """FSDP2 over the data-parallel and the context-parallel ranks (torchtitan's dp_shard_cp: both hold the same
+    weights and train on tokens of their own): each layer sharded on its own, then the rest; with HSDP, replicated
+    over dp_replicate (FSDP all-reduces the shards' gradients over it). Under a pipeline, a layer's weights stay
+    gathered from its forward to its backward (torchtitan's choice): resharded after each micro-batch's forward,
+    they would be gathered again for every micro-batch. Experts split over ep are sharded over the ranks that hold
+    the same ones (efsdp; HSDP: and dp_replicate), a unit of their own, even of one rank: the layer's unit must not
+    take them (Trainer.settle_experts)."""
+    reshard = mesh["pp"].size() == 1
+    for layer in filter(None, part.layers):
+        if expert_mesh is not None:
+            replicas = mesh["dp_replicate"].size() > 1
+            efsdp = expert_mesh["dp_replicate", "efsdp"] if replicas else expert_mesh["efsdp"]
+            fully_shard(layer.mlp.experts, mesh=efsdp, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard)
+    fully_shard(part, mesh=fsdp_mesh, reshard_after_forward=reshard)
+
+
 def settle_grads(parts):
     """The norms' weight gradients come out of backward as partial sums (each tp rank's slice of the sequence), the
     embedding's whole: each to its parameter's layout once, before the optimizer, which would otherwise all-reduce
@@ -458,20 +476,9 @@ def load_train_objs(args, mesh, fsdp_mesh, expert_mesh):
         # 4. Expert parallel over the ep group (ranks of dp_shard x cp): each its share of every layer's experts.
         if expert_mesh is not None:
             apply_ep(part, expert_mesh["ep"])
-        # 5. FSDP2 over the data-parallel and the context-parallel ranks (torchtitan's dp_shard_cp: both hold the
-        # same weights and train on tokens of their own): each layer sharded on its own, then the rest; with HSDP,
-        # replicated over dp_replicate (FSDP all-reduces the shards' gradients over it).
-        # Under a pipeline, a layer's weights stay gathered from its forward to its backward (torchtitan's choice):
-        # resharded after each micro-batch's forward, they would be gathered again for every micro-batch.
-        # Experts split over ep are sharded over the ranks that hold the same ones (efsdp; HSDP: and dp_replicate),
-        # a unit of their own, even of one rank: the layer's unit must not take them (Trainer.settle_experts).
+        # 5. FSDP2 over the data-parallel and the context-parallel ranks, the experts a unit of their own.
         if fsdp_mesh.size() > 1:
-            for layer in filter(None, part.layers):
-                if expert_mesh is not None:
-                    efsdp = expert_mesh["dp_replicate", "efsdp"] if args.dp_replicate > 1 else expert_mesh["efsdp"]
-                    fully_shard(layer.mlp.experts, mesh=efsdp, reshard_after_forward=mesh["pp"].size() == 1)
-                fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
-            fully_shard(part, mesh=fsdp_mesh, reshard_after_forward=mesh["pp"].size() == 1)
+            apply_fsdp(part, mesh, fsdp_mesh, expert_mesh)
         parts.append(part)
         lines.append(f"stage {index}: {holdings(part, names, total)}")
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)

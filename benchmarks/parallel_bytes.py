@@ -17,7 +17,8 @@ TCP_INFO on the sockets under /proc/self/fd: bytes_sent - bytes_retrans + notsen
 gloo's headers included). Counted is the difference from the start of the second step to the end of the last (the
 first step also infers the pipeline's shapes and runs CommDebugMode), over the steps; the bytes given between two
 steps are recorded too (0: nothing but the steps talks). Start-up, the store and the checkpoint lie outside the
-window. Each socket's peer is mapped to the rank that owns its other end, so the JSON says which rank sent what to
+window. The second step also records its peak memory, by plan.py's tracker (plan.peak_of_step), for the planner's
+test. Each socket's peer is mapped to the rank that owns its other end, so the JSON says which rank sent what to
 which.
 
 The formula, per rank and step, for s = 4 bytes an element, b sequences of S positions per data-parallel rank in a
@@ -95,6 +96,7 @@ import contextlib, importlib, io, json, os, socket, struct, sys, time
 sys.path.insert(0, {repo!r})
 import torch
 import torch.distributed as dist
+from plan import peak_of_step
 
 # Offsets in Linux's struct tcp_info (linux/tcp.h, kernel 4.19+): tcpi_notsent_bytes (u32), tcpi_bytes_sent and
 # tcpi_bytes_retrans (u64).
@@ -128,17 +130,21 @@ def sockets():
 
 def counted(module):
     """Wrap the script's Trainer._run_batch: (time, every socket's bytes sent) before and after each step."""
-    steps = []
+    steps, peaks = [], []
     run_batch = module.Trainer._run_batch
 
     def wrapped(self, *args, **kwargs):
         before = (time.perf_counter(), sockets())
-        result = run_batch(self, *args, **kwargs)
+        if len(steps) == 1:  # the second step, the first steady one: its peak memory too, as plan.py counts it
+            result, peak = peak_of_step(self, lambda: run_batch(self, *args, **kwargs))
+            peaks.append(peak)
+        else:
+            result = run_batch(self, *args, **kwargs)
         steps.append((before, (time.perf_counter(), sockets())))
         return result
 
     module.Trainer._run_batch = wrapped
-    return steps, run_batch
+    return steps, run_batch, peaks
 
 
 def calibrate(size=1 << 18):
@@ -181,7 +187,7 @@ for index, (name, script, arguments, change) in enumerate(layouts):
         from benchmarks.parallel_bytes import plain_loop
         plain.append(plain_loop(arguments))
     module = importlib.import_module(script[:-3])
-    steps, run_batch = counted(module)
+    steps, run_batch, peaks = counted(module)
     arguments = [*arguments, "--snapshot_path", os.path.join(out, f"checkpoints-{{index}}")]
     if change == "reshard":  # FSDP2's other choice under a pipeline: reshard after each micro-batch's forward
         shard = module.fully_shard
@@ -195,7 +201,7 @@ for index, (name, script, arguments, change) in enumerate(layouts):
         if change == "reshard":
             module.fully_shard = shard
     summary = [line for line in "".join(tee.kept).splitlines() if line.startswith("Summary:")]
-    records.append({{"name": name, "summary": summary[0] if summary else None,
+    records.append({{"name": name, "summary": summary[0] if summary else None, "peak_bytes": (peaks or [None])[0],
                     "steps": [[[t, list(map(list, c.items()))] for t, c in pair] for pair in steps]}})
     dist.barrier()
 with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
@@ -435,6 +441,7 @@ def run_world(world_size, layouts, args, tmp, data):
             textbook = sum(formula(mesh, record["rank"], args.global_batch_size, reshard=change == "reshard")
                            .values())
             rows.append({"rank": record["rank"], "bytes_per_step": per_step, "to": to, "between_steps": between,
+                         "peak_bytes": record["layouts"][index]["peak_bytes"],
                          "formula": parts, "formula_bytes": sum(parts.values()), "textbook_bytes": textbook,
                          "ratio": per_step / sum(parts.values()), "step_s": seconds})
         step_s = max(row["step_s"] for row in rows)

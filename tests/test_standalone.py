@@ -32,7 +32,8 @@ LESSON_PACKAGES = {
 SIBLINGS = {"fsdp.py": {"models_and_data", "fsdp_checkpoint"},
             **{name: {"language_model", "fsdp_checkpoint"} for name in ("tensor_parallel.py", "pipeline_parallel.py",
                                                                        "hf_checkpoint.py")},
-            "nd_parallel.py": {"language_model", "fsdp_checkpoint", "context_parallel", "expert_parallel"}}
+            "nd_parallel.py": {"language_model", "fsdp_checkpoint", "context_parallel", "expert_parallel"},
+            "plan.py": {"language_model", "nd_parallel"}}  # the planner traces what step 8 builds, by its functions
 # diagnose is an installed tool (pip install ./diagnose; requirements-dev.txt), importable anywhere by design.
 REPOSITORY_PACKAGES = ("benchmarks", "models_and_data", "fsdp_checkpoint", "language_model", "context_parallel",
                        "expert_parallel")
@@ -166,7 +167,8 @@ def test_a_copied_example_runs_its_documented_command_alone(tmp_path, name):
 
 def test_every_example_has_a_copy_test():
     untested = set(examples()) - set(COMMANDS) - {"hangs.py", "fault_tolerant.py", "diloco.py",  # tests of their own
-                                                  "hf_checkpoint.py"}  # test_parallelism's export
+                                                  "hf_checkpoint.py",  # test_parallelism's export
+                                                  "plan.py"}  # a tool beside step 8: test_plan.py
     assert not untested, f"examples without a command in COMMANDS: {sorted(untested)}"
 
 

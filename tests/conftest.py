@@ -19,7 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from support.launching import (ABORT_MARKERS, BIN, clean_env, mpi_env, mpirun_cmd, python_cmd,  # noqa: E402,F401
-                               torchrun_cmd, write_idx)
+                               rank_0_env, torchrun_cmd, write_idx)
 from models_and_data import mnist_splits, read_idx  # noqa: E402,F401
 
 

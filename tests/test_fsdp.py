@@ -340,29 +340,42 @@ def test_a_snapshot_path_the_nodes_do_not_share_is_refused_in_one_line(tmp_path)
     assert not (cwds[1] / "fsdp_checkpoints").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 3])
-def test_a_mid_epoch_checkpoint_resumes_at_another_world_size_with_every_sample_once(uninterrupted, tmp_path, nproc):
+MID = "epoch_000001_sample_000001024"
+
+
+@pytest.fixture(scope="module")
+def killed_mid_epoch(tmp_path_factory):
     """Checkpoints every 3 steps (4 steps an epoch at 2 ranks); the run killed once the one 2 steps into epoch 1 is
-    complete; resumed at 1 and at 3 ranks with the same global batch of 512: it goes on from sample 1024 of epoch
-    1, every sample of that epoch trained on once (counted by the probe), and ends with the uninterrupted run's
-    weights but for the order of float additions."""
-    directory, _ = uninterrupted
-    first, second = tmp_path / "first", tmp_path / "second"
+    complete: its directory (the probe's batches in first/)."""
+    directory = tmp_path_factory.mktemp("killed_mid_epoch")
+    first = directory / "first"
     first.mkdir()
-    second.mkdir()
-    mid = tmp_path / "fsdp_checkpoints" / "epoch_000001_sample_000001024"
+    mid = directory / "fsdp_checkpoints" / MID
     # Rank 1 stopped by the probe after step 7, then killed: rank 0 marked step 6's checkpoint complete before step
     # 7's collectives, and cannot reach the next one (step 9) without rank 1.
-    job = start(fsdp("--total_epochs", EPOCHS, *FLAGS, "--save_every_steps", "3"), cwd=tmp_path,
+    job = start(fsdp("--total_epochs", EPOCHS, *FLAGS, "--save_every_steps", "3"), cwd=directory,
                 env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=first, DDP_EXAMPLES_PROBE_STOP_AT="1:0:7"))
     stopped_worker(job, 1)
     for pid in [job.pid, *(torchrun_worker(job.pid, rank) for rank in (0, 1))]:
         os.kill(pid, signal.SIGKILL)
     finish(job, 60)
     assert (mid / checkpoint_dir.MARKER).exists(), "the mid-epoch checkpoint, complete"
-    assert max(path.name for path in (tmp_path / "fsdp_checkpoints").iterdir()) == mid.name, "none after it"
+    assert max(path.name for path in (directory / "fsdp_checkpoints").iterdir()) == mid.name, "none after it"
+    return directory
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_a_mid_epoch_checkpoint_resumes_at_another_world_size_with_every_sample_once(uninterrupted, killed_mid_epoch,
+                                                                                     tmp_path, nproc):
+    """The run killed 2 steps into epoch 1 (killed_mid_epoch), resumed at 1 and at 3 ranks with the same global
+    batch of 512: it goes on from sample 1024 of epoch 1, every sample of that epoch trained on once (counted by
+    the probe), and ends with the uninterrupted run's weights but for the order of float additions."""
+    directory, _ = uninterrupted
+    first, second = killed_mid_epoch / "first", tmp_path / "second"
+    second.mkdir()
+    shutil.copytree(killed_mid_epoch / "fsdp_checkpoints", tmp_path / "fsdp_checkpoints")
+    mid = tmp_path / "fsdp_checkpoints" / MID
     out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--global_batch_size", "512", nproc=nproc), cwd=tmp_path,
               env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=second), timeout=180).stdout
     assert f"Resuming from fsdp_checkpoints/{mid.name} at epoch 1, sample 1024 of 2048" in out

@@ -205,7 +205,7 @@ def origin(entry, frame):
         named, module = _styled_module(style, frame)
         return f"DTensor in {named or 'a parallel style'}" + (f" of {module}" if module else "")
     if any("/torch/distributed/fsdp/" in file for file, _, _ in frames):
-        group = _fsdp_group(frames, frame)
+        group = _fsdp_group(frames, frame, lines.issued_by(entry))
         fqn = getattr(group, "_module_fqn", None)
         root = _class_name(group.modules[0]) if fqn == "" and getattr(group, "modules", None) else None
         return lines.fsdp(fqn, root, gradients=any(name == "foreach_reduce" for _, name, _ in frames),
@@ -221,17 +221,22 @@ def _class_name(module):
 
 
 FSDP_FILE = "/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py"
+C10D_FILE = "/torch/distributed/distributed_c10d.py"
 
 
-def _fsdp_group(frames, frame):
+def _fsdp_group(frames, frame, issued_by):
     """The FSDPParamGroup whose collective an entry's stack `frames` issued, from the thread's live frames (its
-    `self`): the live frame of the issuing stack's innermost method of FSDPParamGroup (unshard, post_backward). On
-    gloo FSDP2 waits in the call that issues its collective (unshard_async_op is off), so that frame is still there;
-    where it is not (an async unshard waited elsewhere), None."""
+    `self`): the live frame of the issuing stack's innermost method of FSDPParamGroup (unshard, post_backward), with
+    the thread still inside the torch.distributed function that issued it (`issued_by`). On gloo FSDP2 waits in that
+    call (unshard_async_op is off); where the thread has gone on (NCCL, an async unshard), the module is not named:
+    a later call of the same method would name another module."""
     issuing = next((name for file, name, _ in frames if file.endswith(FSDP_FILE)), None)
-    while frame is not None and issuing:
+    inside = False
+    while frame is not None and issuing and issued_by:
         code = frame.f_code
-        if code.co_name == issuing and code.co_filename.replace("\\", "/").endswith(FSDP_FILE):
+        file = code.co_filename.replace("\\", "/")
+        inside = inside or (code.co_name == issued_by and file.endswith(C10D_FILE))
+        if inside and code.co_name == issuing and file.endswith(FSDP_FILE):
             owner = frame.f_locals.get("self")
             if isinstance(getattr(owner, "_module_fqn", None), str):
                 return owner

@@ -310,20 +310,20 @@ def test_on_a_mesh_each_group_waits_for_its_own_and_the_rank_at_fault_comes_firs
         return {"rank": rank, "running": [entry], "where": "nd.py:120", "model": "model.py:136 in forward",
                 "inner": None, "backward": False, "error": None, "recorder": True}
 
-    fsdp, tp = "FSDP's", "DTensor in PrepareModuleInput of layers.0.self_attn"
+    fsdp, tp = "FSDP of layers.1", "DTensor in PrepareModuleInput of layers.0.self_attn"
     answers = {0: waiting(0, 114, "9", "dp_shard", [0, 2], "[2336]", fsdp),
                1: waiting(1, 114, "10", "dp_shard", [1, 3], "[2336]", fsdp),
                2: waiting(2, 367, "4", "tp", [2, 3], "[8, 8, 32]", tp)}
     stopped = {3: {"pid": 7, "host": "n1", "state": "T", "stop_signal": "SIGSTOP", "local": True}}
     line = lines.compose(question, answers, stopped, 4)
     assert line.startswith(
-        "diagnose: collective #114 (all_gather of [2336], FSDP's at nd.py:120 via model.py:136 in forward) in dp_shard "
-        "group [1, 3] waited more than --timeout 6s: rank 3 is stopped by SIGSTOP (pid 7, on n1): it runs nothing "
-        "until it gets SIGCONT; waiting: rank 0 in #114 (all_gather of [2336], FSDP's at nd.py:120 via model.py:136 "
-        "in forward) of dp_shard group [0, 2], for rank 2, which waits in turn; rank 1 in the collective above of "
-        "dp_shard group [1, 3], for rank 3; rank 2 in #367 (all_gather of [8, 8, 32], DTensor in PrepareModuleInput "
-        "of layers.0.self_attn at nd.py:120 via model.py:136 in forward) of tp group [2, 3], for rank 3; no "
-        "torchfrtrace: rank 3 did not answer"), line
+        "diagnose: collective #114 (all_gather of [2336], FSDP of layers.1 at nd.py:120 via model.py:136 in forward) "
+        "in dp_shard group [1, 3] waited more than --timeout 6s: rank 3 is stopped by SIGSTOP (pid 7, on n1): it runs "
+        "nothing until it gets SIGCONT; waiting: rank 0 in #114 (all_gather of [2336], FSDP of layers.1 at nd.py:120 "
+        "via model.py:136 in forward) of dp_shard group [0, 2], for rank 2, which waits in turn; rank 1 in the "
+        "collective above of dp_shard group [1, 3], for rank 3; rank 2 in #367 (all_gather of [8, 8, 32], DTensor in "
+        "PrepareModuleInput of layers.0.self_attn at nd.py:120 via model.py:136 in forward) of tp group [2, 3], for "
+        "rank 3; no torchfrtrace: rank 3 did not answer"), line
     # Every rank in a collective, each waiting for a rank that waits in another group: an order that differs.
     crossed = {0: waiting(0, 114, "9", "dp_shard", [0, 2], "[2336]", fsdp),
                1: waiting(1, 367, "3", "tp", [0, 1], "[8, 8, 32]", tp),
@@ -344,9 +344,9 @@ def test_on_a_mesh_each_group_waits_for_its_own_and_the_rank_at_fault_comes_firs
     broken = {0: failed(answers[0], "Connection reset by peer"), 1: failed(answers[1], "Connection closed by peer"),
               2: failed(answers[2], "Connection closed by peer")}
     line = lines.compose(question, broken, {3: {"pid": 7, "host": "n1", "exit": -9}}, 4)
-    assert line.startswith("diagnose: collective #114 (all_gather of [2336], FSDP's at nd.py:120 via model.py:136 in "
-                           "forward) in dp_shard group [1, 3] failed (Connection closed by peer): rank 3 is gone: "
-                           "killed by SIGKILL (pid 7, on n1)"), line
+    assert line.startswith("diagnose: collective #114 (all_gather of [2336], FSDP of layers.1 at nd.py:120 via "
+                           "model.py:136 in forward) in dp_shard group [1, 3] failed (Connection closed by peer): rank "
+                           "3 is gone: killed by SIGKILL (pid 7, on n1)"), line
 
 
 def test_the_call_site_in_the_script_comes_first_then_the_innermost_frame():

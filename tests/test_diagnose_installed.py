@@ -180,6 +180,9 @@ def test_a_users_fsdp_x_tp_script_a_stopped_rank_is_named_alone_with_its_groups_
     model_lines = (line_of(FSDP_TP_MODEL, "the block's line"), line_of(FSDP_TP_MODEL, "the layers' line"))
     assert re.search(rf"at train\.py:{line_of(FSDP_TP_SCRIPT, 'the step')} via model\.py:({model_lines[0]}|"
                      rf"{model_lines[1]}) in forward", line), line
+    # Rank 1's gather of the first block's weights (the root holds none), named by the block: in the head or its wait.
+    assert re.search(rf"\(all_gather of \[\d+\], FSDP of layers\.0 at train\.py:{line_of(FSDP_TP_SCRIPT, 'the step')} "
+                     rf"via model\.py:{model_lines[1]} in forward\)", line), line
     assert "odd one out" not in line and "did not arrive" not in line, line
 
 

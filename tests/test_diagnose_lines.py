@@ -78,6 +78,20 @@ def test_describe_entry_names_a_reduce_scatter_that_gloo_records_as_an_all_reduc
     assert lines.issued_by(ENTRY) is None and lines.describe_entry(dict(ENTRY, frames=[]))["kind"] == "all_gather"
 
 
+def test_fsdp_names_the_collectives_module_its_gradients_and_the_root():
+    # parallel.origin's words for FSDP2's collectives (nd_parallel.py's real ones: test_diagnose_parallel.py).
+    assert lines.fsdp("layers.1") == "FSDP of layers.1"
+    assert lines.fsdp("layers.1", gradients=True, backward=True) == "FSDP's gradients of layers.1 in backward()"
+    assert lines.fsdp("layers.0", backward=True) == "FSDP of layers.0 in backward()"  # gathered again for backward
+    assert lines.fsdp("", "Decoder", gradients=True) == "FSDP's gradients of the root module (Decoder)"
+    assert lines.fsdp("") == "FSDP of the root module"
+    assert lines.fsdp("a, b") == "FSDP of a and b"  # fully_shard([a, b]): one unit of two modules
+    assert lines.fsdp(None) == "FSDP" and lines.fsdp(None, gradients=True) == "FSDP's gradients"  # module unknown
+    entry = dict(lines.describe_entry(ENTRY), origin=lines.fsdp("layers.1"))
+    assert lines.collective(entry, {"where": "nd.py:137", "model": "model.py:225 in forward"}) == \
+        "#37 (all_gather of [16, 8, 32], FSDP of layers.1 at nd.py:137 via model.py:225 in forward)"
+
+
 def test_ranks_text():
     assert lines.ranks_text([3]) == "rank 3"
     assert lines.ranks_text([2, 0, 1]) == "ranks 0, 1, 2"

@@ -143,8 +143,11 @@ def test_nd_a_stopped_rank_is_named_alone_with_who_waits_for_it_in_which_group(t
     assert re.search(rf"rank 2 in (the collective above|#\d+ \(all_gather of \[{BATCH // 2}, {SEQ // 2}, {DIM}\], "
                      rf"DTensor in PrepareModuleInput of layers\.0\.self_attn at {step} via {attention} in forward\)) "
                      r"of tp group", line), line
-    assert re.search(rf"rank 1 in (the collective above|#\d+ \(all_gather of \[\d+\], FSDP's at {step} via {layers} "
-                     r"in forward\)) of dp_shard group", line), line
+    # Rank 1 has gathered layers.0 with rank 3; it waits for rank 3 in the gather of layers.1.
+    assert re.search(rf"rank 1 in (the collective above|#\d+ \(all_gather of \[\d+\], FSDP of layers\.1 at {step} via "
+                     rf"{layers} in forward\)) of dp_shard group", line), line
+    # That gather is named by its module, in the head (the collective above) or in rank 1's wait.
+    assert re.search(rf"\(all_gather of \[\d+\], FSDP of layers\.1 at {step} via {layers} in forward\)", line), line
     assert re.search(r"rank 0 in .*? of \w+ group \[0, [12]\], for rank [12], which waits in turn;", line), line
     assert "odd one out" not in line and "did not arrive" not in line, line
 
@@ -163,8 +166,8 @@ def test_nd_a_killed_rank_is_named_at_once_by_the_group_it_broke_and_torchfrtrac
     layers = re.escape(line_of("language_model.py", "x = layer(x)"))
     head = (rf"diagnose: collective #\d+ \((all_gather of \[{BATCH // 2}, {SEQ // 2}, {DIM}\], DTensor in "
             rf"PrepareModuleInput of layers\.0\.self_attn at {step} via {attention} in forward\) in tp group \[2, 3\]|"
-            rf"all_gather of \[\d+\], FSDP's at {step} via {layers} in forward\) in dp_shard group \[1, 3\]) "
-            r"failed \(.*?\): rank 3 is gone: killed by SIGKILL \(pid \d+, on [^)]+\)")
+            rf"all_gather of \[\d+\], FSDP of layers\.1 at {step} via {layers} in forward\) in dp_shard group "
+            r"\[1, 3\]) failed \(.*?\): rank 3 is gone: killed by SIGKILL \(pid \d+, on [^)]+\)")
     assert re.match(head, line), line
     assert "odd one out" not in line and "did not arrive" not in line, line
     command = re.search(r"`(torchfrtrace --allow-incomplete-ranks (fr_traces/[\d-]+))` reads them$", line)
@@ -210,7 +213,9 @@ def test_nd_a_rank_stopped_in_fsdps_reduce_scatter_is_named_with_its_dp_shard_gr
     line = diagnosed(tmp_path, "nd_parallel.py", "stop", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"),
                      timeout=MESH_TIMEOUT, where="reduce_scatter@dp_shard")
     step = re.escape(line_of("nd_parallel.py", "self.schedule.step("))
-    head = (rf"diagnose: collective #\d+ \(reduce_scatter of \[\d+\], FSDP's at {step}\) in dp_shard group \[1, 3\] "
+    # The schedule reduces FSDP's units in the model's order: the root module's (the weights no layer holds) first.
+    head = (rf"diagnose: collective #\d+ \(reduce_scatter of \[\d+\], FSDP's gradients of the root module \(Decoder\) "
+            rf"at {step}\) in dp_shard group \[1, 3\] "
             rf"waited more than --timeout {MESH_TIMEOUT}s: rank 3 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs "
             r"nothing until it gets SIGCONT; waiting: ")
     assert re.match(head, line), line

@@ -257,6 +257,18 @@ def write_dump(rank, folder):
     return True
 
 
+def fsdp(fqn, root=None, gradients=False, backward=False):
+    """An FSDP2 collective, by the module fully_shard was applied to: 'FSDP of layers.1', "FSDP's gradients of
+    layers.1 in backward()" (a reduce-scatter). `fqn`: the module's name in the model (FSDPParamGroup's: "" for the
+    root, then named by its class `root`; "a, b" for fully_shard([a, b])), None where unknown."""
+    text = "FSDP's gradients" if gradients else "FSDP"
+    if fqn:
+        text += " of " + " and ".join(fqn.split(", "))
+    elif fqn == "":
+        text += f" of the root module ({root})" if root else " of the root module"
+    return text + (" in backward()" if backward else "")
+
+
 def ranks_text(ranks):
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
@@ -274,7 +286,7 @@ def collective(entry, view=None, number=True):
     parts = []
     if entry and entry.get("kind"):
         parts.append(entry["kind"] + (f" of {entry['shapes']}" if entry.get("shapes") else ""))
-    if entry and entry.get("origin"):  # DTensor's, FSDP's (parallel.origin)
+    if entry and entry.get("origin"):  # DTensor's, FSDP's (parallel.origin, fsdp)
         parts.append(entry["origin"])
     elif view and view.get("backward"):
         parts.append("DDP's gradients in backward()")

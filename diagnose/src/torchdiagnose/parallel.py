@@ -1,9 +1,11 @@
-"""What tensor and pipeline parallelism add to a rank's answer: the DTensor layer whose collective waits, and the
-point-to-point send or recv that a pipeline stage waits for.
+"""What tensor, pipeline and sharded data parallelism add to a rank's answer: the DTensor layer or FSDP module whose
+collective waits, and the point-to-point send or recv that a pipeline stage waits for.
 
 DTensor's collectives (ColwiseParallel, RowwiseParallel, any redistribute) go through the functional collectives to
 the process group, so torch's flight recorder sees them, with the Python stack that issued them: origin() reads the
 parallel style from that stack, and the module it was applied to from the modules the rank's main thread is in.
+FSDP2's collectives are named by the module fully_shard was applied to: the FSDPParamGroup whose method (unshard,
+post_backward) issued the collective and still waits in it, in the rank's live frames.
 
 Point-to-point ops (dist.isend/irecv, and so send/recv, batch_isend_irecv's P2POp list, torch.distributed.pipelining)
 are not in gloo's flight recorder, though they advance the group's count. isend and irecv are wrapped: each op is
@@ -15,8 +17,8 @@ peer is named by its stage.
 Only the note runs while the job is healthy; the rest runs when a rank is asked, or when the watchdog has seen the
 counts stand still with an op noted. What it reads there is private to torch and may change: the frames' locals,
 nn.Module's _call_impl frames and _forward_hooks (the style's function in a hook's closure), a schedule's
-_stage/_stages and a stage's stage_index_to_group_rank and _resolve_peer_global_rank. Where one is missing the line
-says less (no module, a peer by its rank), and the job is not touched.
+_stage/_stages, a stage's stage_index_to_group_rank and _resolve_peer_global_rank, an FSDPParamGroup's _module_fqn
+and modules. Where one is missing the line says less (no module, a peer by its rank), and the job is not touched.
 """
 import collections
 import functools
@@ -188,8 +190,9 @@ STYLE_FILE = "/torch/distributed/tensor/parallel/style.py"
 
 def origin(entry, frame):
     """Where a flight recorder entry's collective came from, for the line: "DTensor in RowwiseParallel of
-    blocks.0.fc2", "DTensor's gradients in backward()", "FSDP's", or None (a collective the script called itself, or
-    DDP's: lines.collective names those). `frame`: the innermost frame of the thread that waits (its modules)."""
+    blocks.0.fc2", "DTensor's gradients in backward()", "FSDP of layers.1" (lines.fsdp), or None (a collective the
+    script called itself, or DDP's: lines.collective names those). `frame`: the innermost frame of the thread that
+    waits (its modules, FSDP's parameter group)."""
     frames = [(str(f.get("filename", "")).replace("\\", "/"), f.get("name"), f.get("line"))
               for f in entry.get("frames") or []]
     backward = any(name in ("backward", "_engine_run_backward") and "/torch/" in file for file, name, _ in frames)
@@ -202,7 +205,42 @@ def origin(entry, frame):
         named, module = _styled_module(style, frame)
         return f"DTensor in {named or 'a parallel style'}" + (f" of {module}" if module else "")
     if any("/torch/distributed/fsdp/" in file for file, _, _ in frames):
-        return "FSDP's gradients in backward()" if backward else "FSDP's"
+        group = _fsdp_group(frames, frame, lines.issued_by(entry))
+        fqn = getattr(group, "_module_fqn", None)
+        root = _class_name(group.modules[0]) if fqn == "" and getattr(group, "modules", None) else None
+        return lines.fsdp(fqn, root, gradients=any(name == "foreach_reduce" for _, name, _ in frames),
+                          backward=backward)
+    return None
+
+
+def _class_name(module):
+    """A module's class as the user wrote it: fully_shard gives it a class of its own, FSDP<name>."""
+    cls = type(module)
+    base = cls.__bases__[-1] if cls.__bases__ else cls
+    return base.__name__ if cls.__name__ == "FSDP" + base.__name__ else cls.__name__
+
+
+FSDP_FILE = "/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py"
+C10D_FILE = "/torch/distributed/distributed_c10d.py"
+
+
+def _fsdp_group(frames, frame, issued_by):
+    """The FSDPParamGroup whose collective an entry's stack `frames` issued, from the thread's live frames (its
+    `self`): the live frame of the issuing stack's innermost method of FSDPParamGroup (unshard, post_backward), with
+    the thread still inside the torch.distributed function that issued it (`issued_by`). On gloo FSDP2 waits in that
+    call (unshard_async_op is off); where the thread has gone on (NCCL, an async unshard), the module is not named:
+    a later call of the same method would name another module."""
+    issuing = next((name for file, name, _ in frames if file.endswith(FSDP_FILE)), None)
+    inside = False
+    while frame is not None and issuing and issued_by:
+        code = frame.f_code
+        file = code.co_filename.replace("\\", "/")
+        inside = inside or (code.co_name == issued_by and file.endswith(C10D_FILE))
+        if inside and code.co_name == issuing and file.endswith(FSDP_FILE):
+            owner = frame.f_locals.get("self")
+            if isinstance(getattr(owner, "_module_fqn", None), str):
+                return owner
+        frame = frame.f_back
     return None
 
 

@@ -3,7 +3,7 @@ each launched with and without the prefix, the launches alternating so that both
 machine.
 
     python benchmarks/diagnose_cost.py                               # 5 pairs of each; some minutes
-    python benchmarks/diagnose_cost.py --repeats 1 --epochs 2 --out out     # a smoke test
+    python benchmarks/diagnose_cost.py --repeats 1 --jobs step3 --out out   # a smoke test
 
 Each launch is `torchrun --standalone --nproc_per_node=2` in a fresh folder; its samples/s come from the summary
 line (the training loop only, start-up excluded). The figure is the median of the paired ratios (with the tool /
@@ -26,13 +26,14 @@ SUMMARY = re.compile(r"^Summary: .* \| samples/s ([\d.]+) \|", re.M)
 
 
 def jobs(args):
-    return {
-        "multigpu_torchrun.py (step 3)": ["multigpu_torchrun.py", "--total_epochs", str(args.epochs * 50),
-                                          "--save_every", "1000"],
-        "train.py (SimpleCNN, Hugging Face Trainer)": ["train.py", "--data_dir", str(REPO / "data" / "mnist"),
-                                                       "--num_train_epochs", str(args.epochs),
-                                                       "--max_train_samples", "2000", "--save_strategy", "no"],
+    every = {
+        "step3": ("multigpu_torchrun.py (step 3)", ["multigpu_torchrun.py", "--total_epochs", str(args.epochs * 50),
+                                                    "--save_every", "1000"]),
+        "train": ("train.py (SimpleCNN, Hugging Face Trainer)",
+                  ["train.py", "--data_dir", str(REPO / "data" / "mnist"), "--num_train_epochs", str(args.epochs),
+                   "--max_train_samples", "2000", "--save_strategy", "no"]),
     }
+    return dict(every[job] for job in args.jobs)
 
 
 def throughput(script_args, prefixed, timeout):
@@ -55,6 +56,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="pairs of launches per job (default 5)")
     parser.add_argument("--epochs", type=int, default=2, help="train.py's epochs; step 3 trains 50 times as many")
+    parser.add_argument("--jobs", nargs="+", choices=["step3", "train"], default=["step3", "train"],
+                        help="the jobs to launch (default both)")
     parser.add_argument("--out", default=report.DEFAULT_OUT, help="folder for diagnose_cost.json")
     parser.add_argument("--launch_timeout", type=float, default=600)
     args = parser.parse_args()

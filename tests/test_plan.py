@@ -106,7 +106,6 @@ def test_bad_layout_one_line(flags, says):
     assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
 
 
-@pytest.mark.quick
 def test_plan_of_fewer_microbatches_is_exact():
     """1F1B traced over its first warmup + 1 micro-batches, the rest added as copies of the last: the same bytes,
     FLOPs and peak as tracing all 8, on the first stage and the last."""

@@ -75,7 +75,7 @@ def test_the_shared_modules_are_small_and_import_only_torch(name, lines):
 
 
 SMALL = ("--input_size", "20", "--epochs", "3")
-# Steps 6 to 8: a small decoder on the first 12,000 characters of the default text (data/shakespeare).
+# Steps 6 to 8: a small decoder on the first 6,000 characters of the default text (data/shakespeare).
 LM = ("--dim", "32", "--n_layers", "2", "--hidden", "64", "--seq_len", "32", "--global_batch_size", "16",
       "--total_epochs", "3", "--data", "text.txt", "--log_every", "0", "--sample", "40")
 TORCHRUN = (BIN / "torchrun", "--standalone", "--nproc_per_node=2")
@@ -115,7 +115,7 @@ def copy_alone(name, folder):
         shutil.copy(REPO / ".env.example", folder / ".env")
     if "language_model" in set(imported_modules(REPO / name)):
         from language_model import read_text
-        (folder / "text.txt").write_text(read_text()[0][:12000])
+        (folder / "text.txt").write_text(read_text()[0][:6000])
     return folder / name.split("/")[-1]
 
 

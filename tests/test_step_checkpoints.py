@@ -7,6 +7,7 @@ fetched and every optimizer step it took.
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 from collections import Counter
@@ -88,20 +89,35 @@ def samples_of_interrupted_epoch(probes_before, probes_after, epoch, position, g
     return used
 
 
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """stopped(world_size): the folder of a run at that world size stopped (SIGKILL) mid-epoch 1, its snapshot and
+    its probes (first/); made once a world size, so that the resumes at 1 and at 3 ranks go on from one run."""
+    made = {}
+
+    def at(before):
+        if before not in made:
+            folder = tmp_path_factory.mktemp(f"stopped-at-{before}")
+            job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=before),
+                        cwd=folder, env=probe_env(folder / "first", stop_at=f"0:0:{128 + 50}"))
+            stopped_worker(job, 0)
+            for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(before)]:
+                os.kill(pid, signal.SIGKILL)
+            finish(job, 60)
+            made[before] = folder
+        return made[before]
+    return at
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(2, 1), (2, 3), (1, 2)])
-def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_once(tmp_path, uninterrupted, before,
-                                                                                   after):
+def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_once(tmp_path, uninterrupted, stopped,
+                                                                                   before, after):
     """Stopped (SIGKILL) mid-epoch 1 at one world size, resumed at another with the same global batch of 32: every
     sample of epoch 1 trained on once, and the final weights those of the uninterrupted 2-rank run but for the
     order of float additions (measured: differences below 1e-6; allowed 1e-5)."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=before),
-                cwd=tmp_path, env=probe_env(first, stop_at=f"0:0:{128 + 50}"))
-    stopped_worker(job, 0)
-    for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(before)]:
-        os.kill(pid, signal.SIGKILL)
-    finish(job, 60)
+    first, second = stopped(before) / "first", tmp_path / "second"
+    shutil.copy(stopped(before) / "step_checkpoints.pt", tmp_path)
     saved = load_snapshot(tmp_path / "step_checkpoints.pt")
     assert (saved["epochs_run"], saved["world_size"]) == (1, before) and 0 < saved["position"] < N, saved["position"]
 

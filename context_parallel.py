@@ -50,19 +50,6 @@ def send_round(x, group, step):
     return received
 
 
-class RingPass(torch.autograd.Function):
-    """One hop of the ring, differentiable: forward to the next rank, and the gradient back to the previous one."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return send_round(x, group, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return send_round(grad, ctx.group, -1), None
-
-
 class GatherSequence(torch.autograd.Function):
     """x from every rank of the group, stacked in rank order; backward, each rank's slice of the gradients summed
     over the ranks (a reduce-scatter, which gloo lacks: an all-reduce, then this rank's slice)."""
@@ -81,43 +68,95 @@ class GatherSequence(torch.autograd.Function):
         return grad[dist.get_rank(ctx.group)], None
 
 
-def attend(q, k, v, causal):
-    """Softmax attention of q over one block of keys [batch, heads, seq, head_dim]: (output, log-sum-exp of each
-    query's scores). The log-sum-exp is what merges the blocks' outputs into attention over all of them."""
-    repeats = q.shape[1] // k.shape[1]  # grouped-query attention: a key/value head serves `repeats` query heads
-    k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
-    if causal:  # the block on the diagonal: a query sees the keys up to its own position
-        later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(later, float("-inf"))
-    lse = scores.logsumexp(-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
+TILE = 256  # keys a step: a rank holds (its queries) x TILE scores a head at once, never (its queries) x (keys)
 
 
-def merge(out, lse, block_out, block_lse):
-    """Two blocks' attention outputs as one over both blocks' keys: each weighted by its share of the softmax."""
-    both = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - both) + block_out * torch.exp(block_lse - both), both
+def scores(q, k, causal):
+    """q's scores over the keys k, [batch, kv heads, q heads a kv head, seq, seq]. Causal: q and k start at the same
+    place, and a query sees the keys up to its own."""
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:
+        return s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def attend(q, k, v, out, lse, causal):
+    """Adds keys k and values v to the attention of q so far (out, and each query's log-sum-exp), in place, TILE
+    keys at a time: each tile's output is weighted by its share of the softmax (flash attention's online softmax)."""
+    for start in range(0, k.shape[-2], TILE):
+        rows, keys = slice(start if causal else 0, None), slice(start, start + TILE)  # causal: the queries after
+        o, m = out[..., rows, :], lse[..., rows, :]  # views: written in place
+        s = scores(q[..., rows, :], k[..., keys, :], causal)
+        both = torch.logaddexp(m, s.logsumexp(-1, keepdim=True))
+        o.copy_(o * torch.exp(m - both) + torch.exp(s - both) @ v[..., keys, :])
+        m.copy_(both)
+
+
+def attend_backward(q, k, v, dout, delta, lse, dq, dk, dv, causal):
+    """The gradients of attend's keys, tile by tile, its probabilities recomputed from the final log-sum-exp:
+    dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q (each x the scale). dq, dk, dv: in place;
+    a key/value head's gradients are summed over the query heads it serves (dim 2)."""
+    for start in range(0, k.shape[-2], TILE):
+        rows, keys = slice(start if causal else 0, None), slice(start, start + TILE)
+        p = torch.exp(scores(q[..., rows, :], k[..., keys, :], causal) - lse[..., rows, :])
+        dv[..., keys, :] += (p.transpose(-2, -1) @ dout[..., rows, :]).sum(2, keepdim=True)
+        ds = p * (dout[..., rows, :] @ v[..., keys, :].transpose(-2, -1) - delta[..., rows, :]) * q.shape[-1] ** -0.5
+        dq[..., rows, :] += ds @ k[..., keys, :]
+        dk[..., keys, :] += (ds.transpose(-2, -1) @ q[..., rows, :]).sum(2, keepdim=True)
+
+
+def block(rank, step, cp, c):
+    """Which of our queries see which keys of rank j = rank - step (held after `step` hops), every rank holding
+    chunks (i, 2cp-1-i) of c tokens. Our own: all, in order (causal). j < rank: chunk j comes before both of ours,
+    2cp-1-j after both: all our queries, j's first chunk. j > rank: both of j's chunks fall between ours: our second
+    chunk's queries, all of j's keys. Either way c x 2c scores: every rank, every hop, the same work."""
+    if step == 0:
+        return slice(None), slice(None), True
+    if (rank - step) % cp < rank:
+        return slice(None), slice(0, c), False
+    return slice(c, None), slice(None), False
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence, the keys and values passed round the ring
+    (cp - 1 hops). It keeps q, k, v, the output and the log-sum-exp; the backward passes the keys and values round
+    again, their gradients travelling with them, and sends each rank's home at the end (one more hop)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        q5 = q.unflatten(1, (k.shape[1], -1))  # grouped-query attention: the query heads of each key/value head
+        out, lse = torch.zeros_like(q5), q5.new_full((*q5.shape[:-1], 1), float("-inf"))
+        kv = torch.stack([k, v]).unsqueeze(3)  # one message a hop; [2, batch, kv heads, 1, seq, head_dim]
+        for step in range(cp):
+            kv = send_round(kv, group, 1) if step else kv  # a GPU version would send the next while computing
+            rows, keys, causal = block(rank, step, cp, q.shape[2] // 2)
+            attend(q5[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], out[..., rows, :], lse[..., rows, :],
+                   causal)
+        ctx.group = group
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.flatten(1, 2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        q5, dout = q.unflatten(1, (k.shape[1], -1)), dout.unflatten(1, (k.shape[1], -1))
+        delta, dq = (dout * out).sum(-1, keepdim=True), torch.zeros_like(q5)
+        ring = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)]).unsqueeze(3)  # k, v, dk, dv
+        for step in range(cp):
+            ring = send_round(ring, ctx.group, 1) if step else ring
+            rows, keys, causal = block(rank, step, cp, q.shape[2] // 2)
+            attend_backward(q5[..., rows, :], ring[0][..., keys, :], ring[1][..., keys, :], dout[..., rows, :],
+                            delta[..., rows, :], lse[..., rows, :], dq[..., rows, :], ring[2][..., keys, :],
+                            ring[3][..., keys, :], causal)
+        dk, dv = send_round(ring[2:], ctx.group, 1).squeeze(3) if cp > 1 else ring[2:].squeeze(3)  # home
+        return dq.flatten(1, 2), dk, dv, None
 
 
 def ring_attention(q, k, v, group):
-    """Causal attention of this rank's queries over the whole sequence, the keys and values passed round the ring.
-    Every rank holds chunks (i, 2cp-1-i), each c tokens. After `step` hops a rank holds rank j = i - step's keys:
-    j < i: chunk j comes before both of ours, chunk 2cp-1-j after both: all our queries, j's first chunk;
-    j > i: both of j's chunks fall between ours: our second chunk's queries, all of j's keys.
-    Either way c x 2c scores: every rank, every hop, the same work (the load balancing's point)."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    c = q.shape[2] // 2
-    out, lse = attend(q, k, v, causal=True)  # our own two chunks, in order: the causal mask of the whole
-    kv = torch.stack([k, v])  # one message a hop
-    for step in range(1, cp):
-        kv = RingPass.apply(kv, group)  # a GPU version would send the next hop while computing this one
-        if (rank - step) % cp < rank:
-            out, lse = merge(out, lse, *attend(q, kv[0, :, :, :c], kv[1, :, :, :c], causal=False))
-        else:
-            late_out, late_lse = merge(out[:, :, c:], lse[:, :, c:], *attend(q[:, :, c:], kv[0], kv[1], causal=False))
-            out, lse = torch.cat([out[:, :, :c], late_out], 2), torch.cat([lse[:, :, :c], late_lse], 2)
-    return out
+    """Causal attention of this rank's queries over the whole sequence (RingAttention), [batch, heads, seq, dim]."""
+    return RingAttention.apply(q, k, v, group)
 
 
 def allgather_attention(q, k, v, group):

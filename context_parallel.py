@@ -68,25 +68,31 @@ class GatherSequence(torch.autograd.Function):
         return grad[dist.get_rank(ctx.group)], None
 
 
-TILE = 256  # keys a step: a rank holds (its queries) x TILE scores a head at once, never (its queries) x (keys)
+TILE = 256  # tokens a side of a tile: a rank holds TILE x TILE scores a head at once, never its queries x keys
 
 
-def scores(q, k, causal):
-    """q's scores over the keys k, [batch, kv heads, q heads a kv head, seq, seq]. Causal: q and k start at the same
-    place, and a query sees the keys up to its own."""
+def tiles(q, k, causal):
+    """(query rows, key columns, on the diagonal) of each TILE x TILE tile of q's scores over k. Causal: q and k
+    start at the same place and a query sees the keys up to its own: the tiles above the diagonal are skipped."""
+    for i in range(0, q.shape[-2], TILE):
+        for j in range(0, i + 1 if causal else k.shape[-2], TILE):
+            yield slice(i, i + TILE), slice(j, j + TILE), causal and i == j
+
+
+def scores(q, k, diagonal):
+    """q's scores over the keys k, [batch, kv heads, q heads a kv head, seq, seq]; on the diagonal, causal."""
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
-    if causal:
+    if diagonal:
         return s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
 def attend(q, k, v, out, lse, causal):
-    """Adds keys k and values v to the attention of q so far (out, and each query's log-sum-exp), in place, TILE
-    keys at a time: each tile's output is weighted by its share of the softmax (flash attention's online softmax)."""
-    for start in range(0, k.shape[-2], TILE):
-        rows, keys = slice(start if causal else 0, None), slice(start, start + TILE)  # causal: the queries after
+    """Adds keys k and values v to the attention of q so far (out, and each query's log-sum-exp), in place, a tile
+    at a time: each tile's output is weighted by its share of the softmax (flash attention's online softmax)."""
+    for rows, keys, diagonal in tiles(q, k, causal):
         o, m = out[..., rows, :], lse[..., rows, :]  # views: written in place
-        s = scores(q[..., rows, :], k[..., keys, :], causal)
+        s = scores(q[..., rows, :], k[..., keys, :], diagonal)
         both = torch.logaddexp(m, s.logsumexp(-1, keepdim=True))
         o.copy_(o * torch.exp(m - both) + torch.exp(s - both) @ v[..., keys, :])
         m.copy_(both)
@@ -96,9 +102,8 @@ def attend_backward(q, k, v, dout, delta, lse, dq, dk, dv, causal):
     """The gradients of attend's keys, tile by tile, its probabilities recomputed from the final log-sum-exp:
     dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q (each x the scale). dq, dk, dv: in place;
     a key/value head's gradients are summed over the query heads it serves (dim 2)."""
-    for start in range(0, k.shape[-2], TILE):
-        rows, keys = slice(start if causal else 0, None), slice(start, start + TILE)
-        p = torch.exp(scores(q[..., rows, :], k[..., keys, :], causal) - lse[..., rows, :])
+    for rows, keys, diagonal in tiles(q, k, causal):
+        p = torch.exp(scores(q[..., rows, :], k[..., keys, :], diagonal) - lse[..., rows, :])
         dv[..., keys, :] += (p.transpose(-2, -1) @ dout[..., rows, :]).sum(2, keepdim=True)
         ds = p * (dout[..., rows, :] @ v[..., keys, :].transpose(-2, -1) - delta[..., rows, :]) * q.shape[-1] ** -0.5
         dq[..., rows, :] += ds @ k[..., keys, :]

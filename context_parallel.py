@@ -23,7 +23,6 @@ same work.
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 
 def shard_sequence(x, rank, cp, dim=1):
@@ -50,25 +49,7 @@ def send_round(x, group, step):
     return received
 
 
-class GatherSequence(torch.autograd.Function):
-    """x from every rank of the group, stacked in rank order; backward, each rank's slice of the gradients summed
-    over the ranks (a reduce-scatter, which gloo lacks: an all-reduce, then this rank's slice)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        gathered = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])  # gloo: along dim 0
-        dist.all_gather_single(gathered, x.contiguous(), group=group)
-        return gathered.view(-1, *x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()  # SDPA's gradients are views: gloo would send the wrong elements (pytorch#192920)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[dist.get_rank(ctx.group)], None
-
-
-TILE = 256  # tokens a side of a tile: a rank holds TILE x TILE scores a head at once, never its queries x keys
+TILE = 128  # tokens a side of a tile: a rank holds TILE x TILE scores a head at once, never its queries x keys
 
 
 def tiles(q, k, causal):
@@ -122,58 +103,77 @@ def block(rank, step, cp, c):
     return slice(c, None), slice(None), False
 
 
-class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence, the keys and values passed round the ring
-    (cp - 1 hops). It keeps q, k, v, the output and the log-sum-exp; the backward passes the keys and values round
-    again, their gradients travelling with them, and sends each rank's home at the end (one more hop)."""
+def gather(x, group):
+    """x from every rank of the group, [cp, *x.shape] in rank order (gloo gathers along dim 0)."""
+    everyone = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
+    dist.all_gather_single(everyone, x.contiguous(), group=group)
+    return everyone.view(-1, *x.shape)
+
+
+def held(x, group, step, gathered):
+    """(x, rank (rank - step)'s part): x all the ranks' parts, gathered ([cp, ...]), or ours passed on a hop."""
+    if gathered:
+        return x, x[(dist.get_rank(group) - step) % dist.get_world_size(group)]
+    x = send_round(x, group, 1) if step else x  # a GPU version would send the next hop while computing this one
+    return x, x
+
+
+class ContextAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence: the others' keys and values passed round
+    the ring (cp - 1 hops) or gathered at once. It keeps q, k, v, the output and the log-sum-exp, no scores. The
+    backward gets the keys and values again the same way; their gradients go home with them round the ring (one
+    more hop at the end), or summed over the ranks (an all-reduce: gloo lacks reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, gathered):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         q5 = q.unflatten(1, (k.shape[1], -1))  # grouped-query attention: the query heads of each key/value head
         out, lse = torch.zeros_like(q5), q5.new_full((*q5.shape[:-1], 1), float("-inf"))
-        kv = torch.stack([k, v]).unsqueeze(3)  # one message a hop; [2, batch, kv heads, 1, seq, head_dim]
+        kv = torch.stack([k, v]).unsqueeze(3)  # one message: [2, batch, kv heads, 1, seq, head_dim]
+        kv = gather(kv, group) if gathered else kv
         for step in range(cp):
-            kv = send_round(kv, group, 1) if step else kv  # a GPU version would send the next while computing
+            kv, part = held(kv, group, step, gathered)
             rows, keys, causal = block(rank, step, cp, q.shape[2] // 2)
-            attend(q5[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], out[..., rows, :], lse[..., rows, :],
-                   causal)
-        ctx.group = group
+            attend(q5[..., rows, :], part[0][..., keys, :], part[1][..., keys, :], out[..., rows, :],
+                   lse[..., rows, :], causal)
+        ctx.group, ctx.gathered = group, gathered
         ctx.save_for_backward(q, k, v, out, lse)
         return out.flatten(1, 2)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        (q, k, v, out, lse), group = ctx.saved_tensors, ctx.group
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
         q5, dout = q.unflatten(1, (k.shape[1], -1)), dout.unflatten(1, (k.shape[1], -1))
         delta, dq = (dout * out).sum(-1, keepdim=True), torch.zeros_like(q5)
-        ring = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)]).unsqueeze(3)  # k, v, dk, dv
+        kv = torch.stack([k, v]).unsqueeze(3)
+        kv = gather(kv, group) if ctx.gathered else kv
+        kv = torch.cat([kv, torch.zeros_like(kv)], -6)  # k, v, and their gradients: dk, dv
         for step in range(cp):
-            ring = send_round(ring, ctx.group, 1) if step else ring
+            kv, part = held(kv, group, step, ctx.gathered)
             rows, keys, causal = block(rank, step, cp, q.shape[2] // 2)
-            attend_backward(q5[..., rows, :], ring[0][..., keys, :], ring[1][..., keys, :], dout[..., rows, :],
-                            delta[..., rows, :], lse[..., rows, :], dq[..., rows, :], ring[2][..., keys, :],
-                            ring[3][..., keys, :], causal)
-        dk, dv = send_round(ring[2:], ctx.group, 1).squeeze(3) if cp > 1 else ring[2:].squeeze(3)  # home
-        return dq.flatten(1, 2), dk, dv, None
+            attend_backward(q5[..., rows, :], part[0][..., keys, :], part[1][..., keys, :], dout[..., rows, :],
+                            delta[..., rows, :], lse[..., rows, :], dq[..., rows, :], part[2][..., keys, :],
+                            part[3][..., keys, :], causal)
+        if ctx.gathered:
+            grads = kv[:, 2:].contiguous()
+            dist.all_reduce(grads, group=group)
+            grads = grads[rank]
+        else:
+            grads = send_round(kv[2:], group, 1) if cp > 1 else kv[2:]  # home: one more hop
+        dk, dv = grads.squeeze(3)
+        return dq.flatten(1, 2), dk, dv, None, None
 
 
 def ring_attention(q, k, v, group):
-    """Causal attention of this rank's queries over the whole sequence (RingAttention), [batch, heads, seq, dim]."""
-    return RingAttention.apply(q, k, v, group)
+    """Causal attention of this rank's queries over the whole sequence, [batch, heads, seq, dim], the keys and
+    values passed round the ring: a rank holds two ranks' at most."""
+    return ContextAttention.apply(q, k, v, group, False)
 
 
 def allgather_attention(q, k, v, group):
-    """Causal attention of this rank's queries over every rank's keys and values, gathered (Llama 3's way): the
-    mask compares the tokens' places in the whole sequence, which the load balancing has reordered."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    seq_len = q.shape[2] * cp
-    kv = GatherSequence.apply(torch.stack([k, v]), group)  # [cp, 2, batch, heads, seq / cp, head_dim]
-    k, v = (kv[:, i].permute(1, 2, 0, 3, 4).flatten(2, 3) for i in (0, 1))  # rank by rank along the sequence
-    keys = torch.cat([positions(seq_len, r, cp, q.device) for r in range(cp)])
-    mask = keys[None, :] <= positions(seq_len, rank, cp, q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    """The same, every rank's keys and values gathered (Llama 3's way: small under grouped-query attention)."""
+    return ContextAttention.apply(q, k, v, group, True)
 
 
 CP_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}

@@ -1,21 +1,17 @@
 """Context parallelism for the decoder of step 8: the sequence split over the ranks of a cp group, causal attention
 still over all of it. nd_parallel.py imports it: copy it beside nd_parallel.py, language_model.py and
-fsdp_checkpoint.py. It lives in a file of its own because it is the one part of the step that is attention's
-arithmetic rather than its placement on the mesh.
+fsdp_checkpoint.py. It is the one part of the step that is attention's arithmetic, not placement on the mesh.
 
 Why not torch's own context_parallel(): on torch 2.13 its ring kernels are registered for CUDA's attention ops
-only (on the CPU the causal forward and every backward fail). These two forms are plain torch ops on any device,
-and autograd differentiates them:
-- ring_attention: each rank keeps its queries and passes its keys and values round the ring, cp - 1 hops; each
-  block's partial result is merged with the others' by their log-sum-exp (the online softmax of flash attention).
-  A rank never holds more than two ranks' keys at once in the forward.
-- allgather_attention: every rank gathers all keys and values (Llama 3's way, small next to the queries under
-  grouped-query attention) and masks by the tokens' positions.
-
-Their cost: autograd keeps each block's scores, (seq / cp) x seq a head on every rank, 1/cp of one process's
-plain attention, but more than a flash kernel keeps (none; SDPA on one process, torch's own ring on CUDA). A
-flash-style version would run each block through SDPA and recompute in an explicit backward from the merged
-output and log-sum-exp.
+only (on the CPU the causal forward and every backward fail). This is flash attention in plain torch ops, any
+device: the scores a TILE x TILE tile at a time, each tile's output merged with the rest by the log-sum-exp (the
+online softmax); kept for the backward: q, k, v, the output and the log-sum-exp, never the scores. The backward
+recomputes each tile's probabilities from them. Each rank keeps its queries and gets the others' keys and values:
+- ring_attention passes them round the ring, cp - 1 hops, and their gradients travel back home with them;
+- allgather_attention gathers them all (Llama 3's way: small next to the queries under grouped-query attention).
+Either way a rank's memory is its 1/cp of the sequence's activations and a few tiles' scores: at cp 4 a sequence
+about 3 times as long fits as one process's SDPA does (docs/parallelism.md, measured), but slower (tiles in Python,
+no overlap of sending and computing: a GPU's flash kernel and torch's ring would do both).
 
 The sequence is laid out as torchtitan's load balancer does: cut into 2 cp chunks, rank i holds chunks i and
 2cp-1-i. Under the causal mask an early chunk sees few keys and a late one many: one of each, every rank does the
@@ -32,11 +28,11 @@ def shard_sequence(x, rank, cp, dim=1):
 
 
 def positions(seq_len, rank, cp, device=None):
-    """The places in the whole sequence of rank `rank`'s tokens: their rotary angles and causal mask use them."""
+    """The places in the whole sequence of rank `rank`'s tokens: their rotary angles use them."""
     return shard_sequence(torch.arange(seq_len, device=device), rank, cp, dim=0)
 
 
-def send_round(x, group, step):
+def send_round(x, group, step=1):
     """x to the rank `step` further round the group; what the rank `step` behind sent, back. Contiguous first:
     gloo sends a view's storage, not its elements (pytorch#192920)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -63,14 +59,13 @@ def tiles(q, k, causal):
 def scores(q, k, diagonal):
     """q's scores over the keys k, [batch, kv heads, q heads a kv head, seq, seq]; on the diagonal, causal."""
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
-    if diagonal:
-        return s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+    later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+    return s.masked_fill(later, float("-inf")) if diagonal else s
 
 
 def attend(q, k, v, out, lse, causal):
-    """Adds keys k and values v to the attention of q so far (out, and each query's log-sum-exp), in place, a tile
-    at a time: each tile's output is weighted by its share of the softmax (flash attention's online softmax)."""
+    """Adds keys k and values v to q's attention so far (out, and each query's log-sum-exp lse), in place, a tile at
+    a time: each tile's output weighted by its share of the softmax."""
     for rows, keys, diagonal in tiles(q, k, causal):
         o, m = out[..., rows, :], lse[..., rows, :]  # views: written in place
         s = scores(q[..., rows, :], k[..., keys, :], diagonal)
@@ -80,9 +75,8 @@ def attend(q, k, v, out, lse, causal):
 
 
 def attend_backward(q, k, v, dout, delta, lse, dq, dk, dv, causal):
-    """The gradients of attend's keys, tile by tile, its probabilities recomputed from the final log-sum-exp:
-    dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q (each x the scale). dq, dk, dv: in place;
-    a key/value head's gradients are summed over the query heads it serves (dim 2)."""
+    """attend's gradients, added to dq, dk, dv in place, tile by tile: P = exp(scores - lse), dV = P^T dO,
+    dS = P (dO V^T - rowsum(dO O)) x scale, dQ = dS K, dK = dS^T Q; a key/value head's summed over its query heads."""
     for rows, keys, diagonal in tiles(q, k, causal):
         p = torch.exp(scores(q[..., rows, :], k[..., keys, :], diagonal) - lse[..., rows, :])
         dv[..., keys, :] += (p.transpose(-2, -1) @ dout[..., rows, :]).sum(2, keepdim=True)
@@ -111,10 +105,10 @@ def gather(x, group):
 
 
 def held(x, group, step, gathered):
-    """(x, rank (rank - step)'s part): x all the ranks' parts, gathered ([cp, ...]), or ours passed on a hop."""
+    """(x, rank (rank - step)'s part): x all the ranks' parts, gathered ([cp, ...]), or passed on a hop."""
     if gathered:
         return x, x[(dist.get_rank(group) - step) % dist.get_world_size(group)]
-    x = send_round(x, group, 1) if step else x  # a GPU version would send the next hop while computing this one
+    x = send_round(x, group) if step else x  # a GPU version would send the next hop while computing this one
     return x, x
 
 
@@ -155,13 +149,12 @@ class ContextAttention(torch.autograd.Function):
             attend_backward(q5[..., rows, :], part[0][..., keys, :], part[1][..., keys, :], dout[..., rows, :],
                             delta[..., rows, :], lse[..., rows, :], dq[..., rows, :], part[2][..., keys, :],
                             part[3][..., keys, :], causal)
-        if ctx.gathered:
+        if ctx.gathered:  # every rank's gradients, summed over the ranks: ours kept
             grads = kv[:, 2:].contiguous()
             dist.all_reduce(grads, group=group)
-            grads = grads[rank]
-        else:
-            grads = send_round(kv[2:], group, 1) if cp > 1 else kv[2:]  # home: one more hop
-        dk, dv = grads.squeeze(3)
+            dk, dv = grads[rank].squeeze(3)
+        else:  # home round the ring: one more hop
+            dk, dv = (send_round(kv[2:], group) if cp > 1 else kv[2:]).squeeze(3)
         return dq.flatten(1, 2), dk, dv, None, None
 
 

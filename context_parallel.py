@@ -9,9 +9,10 @@ online softmax); kept for the backward: q, k, v, the output and the log-sum-exp,
 recomputes each tile's probabilities from them. Each rank keeps its queries and gets the others' keys and values:
 - ring_attention passes them round the ring, cp - 1 hops, and their gradients travel back home with them;
 - allgather_attention gathers them all (Llama 3's way: small next to the queries under grouped-query attention).
-Either way a rank's memory is its 1/cp of the sequence's activations and a few tiles' scores: at cp 4 a sequence
-about 3 times as long fits as one process's SDPA does (docs/parallelism.md, measured), but slower (tiles in Python,
-no overlap of sending and computing: a GPU's flash kernel and torch's ring would do both).
+Measured (docs/parallelism.md): in the memory one process's SDPA needs for a sequence, the ring fits one cp times
+as long (a rank holds 1/cp of the activations and a few tiles' scores), the all-gather less (every rank's keys and
+values, and their gradients); both slower (tiles in Python, no overlap of sending and computing: on a GPU, flash
+kernels and torch's own ring do both).
 
 The sequence is laid out as torchtitan's load balancer does: cut into 2 cp chunks, rank i holds chunks i and
 2cp-1-i. Under the causal mask an early chunk sees few keys and a late one many: one of each, every rank does the

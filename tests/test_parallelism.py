@@ -287,7 +287,7 @@ def test_3d_parallel_on_8_processes_places_every_rank_on_the_mesh(matrix):
 
 # ---- context and expert parallelism: each sequence split over cp ranks, the experts over ep ranks ----
 
-# The layers' outputs and gradients (of order 1) against one process's, float64: measured <= 3e-15 (attention),
+# The layers' outputs and gradients (of order 1) against one process's, float64: measured <= 5e-15 (attention),
 # 0 (the experts' outputs and gradients, the same additions), 3e-14 (the router's gradient, summed over ranks).
 LAYER_TOL = 1e-12
 

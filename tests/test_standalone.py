@@ -67,7 +67,7 @@ def test_an_example_imports_only_torch_the_standard_library_its_lesson_and_one_m
 
 # language_model.py: the decoder, and its mixture-of-experts option (about 90 lines).
 @pytest.mark.parametrize("name, lines", [("models_and_data.py", 160), ("language_model.py", 300),
-                                         ("context_parallel.py", 150), ("expert_parallel.py", 100)])
+                                         ("context_parallel.py", 175), ("expert_parallel.py", 100)])
 def test_the_shared_modules_are_small_and_import_only_torch(name, lines):
     path = REPO / name
     assert len(path.read_text().splitlines()) <= lines

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+import context_parallel
 from context_parallel import CP_ATTENTION, shard_sequence
 from expert_parallel import dispatch
 from language_model import MoE, DecoderConfig
@@ -93,6 +94,7 @@ def check_ep(groups):
 
 def main():
     dist.init_process_group("gloo")
+    context_parallel.TILE = 3  # the ring's keys in tiles of 3: several a block, the last one short
     torch.set_num_threads(1)
     pairs = [[0, 1], [2, 3]]
     groups = {2: [(ranks, dist.new_group(ranks)) for ranks in pairs], 4: [([0, 1, 2, 3], dist.group.WORLD)]}

@@ -255,8 +255,10 @@ def trace(args):
             actions = single_stage_order(args.schedule, indices[0], stages, traced)
         else:  # the action list the schedule itself runs on this rank
             traced = m
-            actions = [(a.stage_index, a.computation_type.value, a.microbatch_index)
-                       for a in schedule.pipeline_order[mesh["pp"].get_local_rank()] if a is not None]
+            # DualPipeV pairs a forward with a backward (OVERLAP_F_B): each of the pair's actions, in its order.
+            actions = [(sub.stage_index, sub.computation_type.value, sub.microbatch_index)
+                       for a in schedule.pipeline_order[mesh["pp"].get_local_rank()] if a is not None
+                       for sub in (a.sub_actions or (a,))]
         by_index = dict(zip(indices, pipeline))
         groups = mesh_groups(mesh)
         with FakeTensorMode(allow_non_fake_inputs=True):  # the meta tensors become fake ones here, not before

@@ -140,3 +140,16 @@ def test_search_ranks_the_layouts_that_fit():
     assert steps == sorted(steps)
     for row in rows:
         assert float(row[3]) <= 0.0075 * 0.9
+
+
+def test_dualpipev_traces_as_zbv_sends():
+    """DualPipeV runs a forward and a backward as one action (OVERLAP_F_B): traced action by action, a step of its
+    rank 0 sends and holds what ZBV's does (the same V of stages, the same micro-batches), in another order."""
+    said = {}
+    for schedule in ("zbv", "dualpipev"):
+        done = subprocess.run([sys.executable, "plan.py", *MODEL.split(), "--world_size", "4", "--dp_shard", "2",
+                               "--pp", "2", "--microbatches", "8", "--schedule", schedule], capture_output=True,
+                              text=True, timeout=300, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[schedule] = [line for line in done.stdout.splitlines() if line.startswith(("Holds:", "  ", "FLOPs:"))]
+    assert said["zbv"] == said["dualpipev"] and len(said["zbv"]) >= 5, said

@@ -9,7 +9,7 @@ The mesh is pp x dp_replicate x dp_shard x cp x tp, tp innermost (its ranks neig
 runs its stages (pipeline_parallel.py), split over tp (tensor_parallel.py), its chunks of each sequence over cp
 (context_parallel.py), then sharded by FSDP2 over dp_shard x cp (fsdp.py), with --dp_replicate R copies of the
 shards (HSDP). With --n_experts each MLP is a mixture of experts, split over ep ranks of dp_shard x cp
-(expert_parallel.py). An axis of size 1 is left out. It prints where each rank sits and what it holds, the loss,
+(expert_parallel.py). A size-1 axis is not applied. It prints where each rank sits and what it holds, the loss,
 the tokens each expert got, each rank's idle time beside its schedule's bubble, and a sample:
 
     Mesh pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 | 4 sequences a data-parallel rank in 1 micro-batch | ...

@@ -28,10 +28,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
-from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -64,10 +63,6 @@ GiB = 1024 ** 3
 # all-gather), each pipeline send 144.
 GLOO_FRAMING, GLOO_SEND = 288, 144
 aten, c10d, functional = torch.ops.aten, torch.ops.c10d, torch.ops._c10d_functional
-prim_device = torch.ops.prim.device.default
-# Each tracker's (forward, backward) peak states, as its __torch_dispatch__ picks them.
-PEAKS = {FSDPMemTracker: (_FSDPModState.PEAK_FW, _FSDPModState.PEAK_BW), MemTracker: (_ModState.PEAK_FW,
-                                                                                      _ModState.PEAK_BW)}
 # Each collective: its kind, the argument whose bytes count (an all-gather's input: this rank's part) and the
 # argument that names its group.
 COLLECTIVES = {
@@ -100,24 +95,15 @@ class Step(TorchDispatchMode):
     formulas), and every collective with its process group and the bytes of its tensor. Like torch's trackers, it
     lets a DTensor op pass (NotImplemented) and counts the local ops that DTensor turns it into: the rank's own."""
 
-    def __init__(self, tracker):
+    def __init__(self):
         super().__init__()
         self.flops = defaultdict(int)  # {micro-batch (None: outside them): FLOPs}
         self.calls = []  # (kind, group name, bytes of the tensor, micro-batch)
         self.microbatch = None  # the one whose forward or backward runs now
-        self.tracker = tracker  # the memory tracker, the mode below this one
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        if func is prim_device and type(args[0]) is FakeTensor:
-            # Most ops of a step are this query (autograd asks each tensor's device). Answered here as the fake
-            # mode answers it, with the peak check the tracker makes after every op: the same figures, the queries
-            # a third of their cost through both modes.
-            tracker, states = self.tracker, PEAKS[type(self.tracker)]
-            if active_fake_mode() is tracker._fake_mode_on_entry:
-                tracker._update_peak_stats(states[tracker._mod_tracker.is_bw])
-            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         out = func(*args, **(kwargs or {}))
         if func in COLLECTIVES:
             kind, tensor, group = COLLECTIVES[func]
@@ -260,7 +246,7 @@ def trace(args):
                        for a in schedule.pipeline_order[mesh["pp"].get_local_rank()] if a is not None
                        for sub in (a.sub_actions or (a,))]
         by_index = dict(zip(indices, pipeline))
-        groups = mesh_groups(mesh)
+        step, groups = Step(), mesh_groups(mesh)
         with FakeTensorMode(allow_non_fake_inputs=True):  # the meta tensors become fake ones here, not before
             for part in parts:
                 part.to_empty(device="cpu")
@@ -276,7 +262,6 @@ def trace(args):
             tokens = torch.zeros(batch, seq, dtype=torch.long)
             hidden = torch.zeros(batch, seq // tp, dim, dtype=dtype)
             tracker = memory_tracker(parts, optimizers)
-            step = Step(tracker)
             with local_ops_only(), tracker, step:
                 # A stage's buffers, one a micro-batch, made in its first step and kept (PipelineStage's
                 # _prepare_forward_infra and _prepare_backward_infra): the activations it receives (all but the

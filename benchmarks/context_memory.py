@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repository importable
 from benchmarks import common, report
-from benchmarks.launches import BIN, REPO, clean_env
+from benchmarks.launches import REPO, clean_env, torchrun_cmd
 
 WORKER = r'''
 import json, resource, sys, time
@@ -68,8 +68,8 @@ CONFIGS = [("sdpa", 1), ("ring", 2), ("allgather", 2), ("ring", 4), ("allgather"
 
 
 def measure(form, cp, budget, worker, timeout):
-    out = subprocess.run([str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={cp}", worker, form,
-                          str(budget)], capture_output=True, text=True, timeout=timeout,
+    out = subprocess.run(torchrun_cmd(worker, form, str(budget), nproc=cp), capture_output=True, text=True,
+                         timeout=timeout,
                          env=clean_env(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072"))
     if out.returncode != 0:
         raise common.UsageError(f"the {form} job at cp {cp} failed (exit {out.returncode}): {out.stderr[-500:]}")
@@ -83,7 +83,8 @@ def main(args):
         worker.write_text(WORKER.format(repo=str(REPO)))
         results = [{"form": form, "cp": cp, "steps": measure(form, cp, budget, worker, args.timeout)}
                    for form, cp in CONFIGS]
-    print(report.machine_line(report.machine("gloo", 4)))
+    machine = report.machine("gloo", 4)
+    print(report.machine_line(machine))
     common_seq = max(row["seq"] for row in results[0]["steps"] if row["peak_bytes"] <= budget)
     rows = []
     for result in results:
@@ -98,7 +99,7 @@ def main(args):
     print(report.table(["cp", "attention", "longest sequence", "its peak a rank", "us a token",
                         f"us a token at {common_seq}"], rows))
     report.write_json(Path(args.out) / "context_memory.json",
-                      {"machine": report.machine("gloo", 4), "budget_bytes": budget, "results": results})
+                      {"machine": machine, "budget_bytes": budget, "results": results})
 
 
 if __name__ == "__main__":

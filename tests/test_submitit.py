@@ -104,7 +104,7 @@ def test_two_nodes_share_one_snapshot_path_train_and_a_resubmission_resumes(clus
     snapshot = tmp_path / "shared" / "multinode.pt"
     replicas = tmp_path / "replicas"  # each rank's model and optimizer at its end (tests/support/sitecustomize.py)
     replicas.mkdir()
-    argv = runner_argv(tmp_path, 2, 1, "multinode.py", "12", "1", "--snapshot_path", snapshot)
+    argv = runner_argv(tmp_path, 2, 1, "multinode.py", "6", "1", "--snapshot_path", snapshot)
     with open(tmp_path / "runner.out", "w+") as out:
         process = cluster.popen(argv, cwd=tmp_path, env=runner_env(DDP_EXAMPLES_PROBE_REPLICAS=replicas), stdout=out,
                                 stderr=subprocess.STDOUT)
@@ -122,22 +122,22 @@ def test_two_nodes_share_one_snapshot_path_train_and_a_resubmission_resumes(clus
         job_id, logs = finished(tmp_path, process, out.read())
     assert launched_on(cluster, job_id) == ["node1", "node2"], "a task on each of two nodes"
     assert "node=0(2), global_rank=0(2)" in logs and "node=1(2), global_rank=1(2)" in logs, logs[-4000:]
-    assert_every_rank_trained(logs, list(range(12)))
+    assert_every_rank_trained(logs, list(range(6)))
     assert len(seen) >= 2, f"the snapshot was read while training at {seen} epochs only"
     assert "error:" not in logs and "another run" not in logs, logs[-4000:]
     state = load_snapshot(snapshot)
-    assert state["epochs_run"] == 12 and state["world_size"] == 2
+    assert state["epochs_run"] == 6 and state["world_size"] == 2
     for rank in (0, 1):  # whichever node's save came last, the snapshot is what every rank trained
         replica = load_snapshot(replicas / f"rank{rank}.pt")
         assert_bitwise_equal(state["model"], replica["model"], f"rank {rank}'s model")
         assert_bitwise_equal(state["optimizer"], replica["optimizer"], f"rank {rank}'s optimizer")
     assert [path.name for path in snapshot.parent.iterdir()] == ["multinode.pt"], "no temporary left"
 
-    _, logs = submit(cluster, tmp_path, 2, 1, "multinode.py", "14", "1", "--snapshot_path", snapshot)
-    assert f"Resuming from {snapshot} at epoch 12" in logs, logs[-4000:]
-    assert_every_rank_trained(logs, [12, 13])
+    _, logs = submit(cluster, tmp_path, 2, 1, "multinode.py", "8", "1", "--snapshot_path", snapshot)
+    assert f"Resuming from {snapshot} at epoch 6" in logs, logs[-4000:]
+    assert_every_rank_trained(logs, [6, 7])
     assert "another run" not in logs and "training runs" not in logs
-    assert load_snapshot(snapshot)["epochs_run"] == 14
+    assert load_snapshot(snapshot)["epochs_run"] == 8
 
 
 def test_a_rank_that_stops_fails_the_job_in_one_line(cluster, tmp_path):

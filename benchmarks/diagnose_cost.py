@@ -3,7 +3,7 @@ each launched with and without the prefix, the launches alternating so that both
 machine.
 
     python benchmarks/diagnose_cost.py                               # 5 pairs of each; some minutes
-    python benchmarks/diagnose_cost.py --repeats 1 --jobs step3 --out out   # a smoke test
+    python benchmarks/diagnose_cost.py --quick --jobs step3 --out out   # a smoke test: one pair, 5 epochs of step 3
 
 Each launch is `torchrun --standalone --nproc_per_node=2` in a fresh folder; its samples/s come from the summary
 line (the training loop only, start-up excluded). The figure is the median of the paired ratios (with the tool /
@@ -26,8 +26,9 @@ SUMMARY = re.compile(r"^Summary: .* \| samples/s ([\d.]+) \|", re.M)
 
 
 def jobs(args):
+    step3_epochs = 5 if args.quick else args.epochs * 50
     every = {
-        "step3": ("multigpu_torchrun.py (step 3)", ["multigpu_torchrun.py", "--total_epochs", str(args.epochs * 50),
+        "step3": ("multigpu_torchrun.py (step 3)", ["multigpu_torchrun.py", "--total_epochs", str(step3_epochs),
                                                     "--save_every", "1000"]),
         "train": ("train.py (SimpleCNN, Hugging Face Trainer)",
                   ["train.py", "--data_dir", str(REPO / "data" / "mnist"), "--num_train_epochs", str(args.epochs),
@@ -60,7 +61,11 @@ def main():
                         help="the jobs to launch (default both)")
     parser.add_argument("--out", default=report.DEFAULT_OUT, help="folder for diagnose_cost.json")
     parser.add_argument("--launch_timeout", type=float, default=600)
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: one pair, step 3 for 5 epochs, train.py for 1 (not figures to keep)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.epochs = 1, 1
     if args.repeats < 1 or args.epochs < 1:
         parser.error("--repeats and --epochs must be at least 1")
     rows = []
@@ -82,7 +87,8 @@ def main():
                        [[r["job"], f"{r['samples_per_s_without']:.0f}", f"{r['samples_per_s_with']:.0f}",
                          f"{r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"] for r in rows]))
     path = report.write_json(Path(args.out) / "diagnose_cost.json",
-                             {"machine": machine, "repeats": args.repeats, "epochs": args.epochs, "rows": rows})
+                             {"machine": machine, "repeats": args.repeats, "epochs": args.epochs, "quick": args.quick,
+                              "rows": rows})
     print(f"Wrote {path}")
 
 

@@ -5,6 +5,7 @@ training loop of the same model and data, on the CPU (gloo).
 
     python benchmarks/parallel_bytes.py              # 14 layouts on 2, 4 and 8 processes, and one process
     python benchmarks/parallel_bytes.py --quick      # the 5 layouts of 2 processes and one process, 4 steps each
+                                                     # (a smoke test: 2 repeats, a short matmul peak)
 
 The model is small, so that 8 processes run on 2 cores: language_model.Decoder with --dim 32 --n_layers 4
 --n_heads 8 --n_kv_heads 4 --hidden 64 --seq_len 16 (53,536 parameters; 4 key/value heads, so that --tp 4 divides
@@ -504,6 +505,9 @@ def plot(results, single, args, parameters, path):
 
 def main(args):
     args.steps = args.steps or (4 if args.quick else 8)
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    # --quick, a smoke test: each matmul peak timed once for 0.1 s, not the best of 3 of 0.5 s on every core.
+    timing = {"seconds": 0.1, "trials": 1} if args.quick else {}
     if args.steps <= WARMUP:
         raise common.UsageError(f"--steps {args.steps}: the first {WARMUP} is not counted; ask for more")
     if args.global_batch_size % 8:
@@ -512,7 +516,7 @@ def main(args):
     layouts = [layout for layout in LAYOUTS if layout[1] > 1 and (not args.quick or layout[1] == 2)]
     load_before = report.machine()["load_average_1_5_15min"]  # the machine is recorded at the end, with this
     cores = len(os.sched_getaffinity(0))
-    peaks = [(matmul_peak(1), matmul_peak(cores))]  # again after the runs: the machine's load changes
+    peaks = [(matmul_peak(1, **timing), matmul_peak(cores, **timing))]  # again after the runs: the load changes
     parameters = sum(p.numel() for p in Decoder(CONFIG).parameters())
     # Per token: 6 FLOPs a parameter (2 forward, 4 backward); attention's scores and weighted sums, 2 matmuls of
     # seq x dim a token and layer, 2 FLOPs each, forward and twice that backward: 12 x layers x seq x dim.
@@ -527,7 +531,7 @@ def main(args):
             found, collectives[world_size] = run_world(world_size, [layout for layout in layouts
                                                                     if layout[1] == world_size], args, tmp, data)
             results += found
-    peaks.append((matmul_peak(1), matmul_peak(cores)))
+    peaks.append((matmul_peak(1, **timing), matmul_peak(cores, **timing)))
     # The machine's peak: the best of one thread's matmul times the cores and all threads' at once, before and
     # after the runs (other work on the cores slows a matmul, and one of several threads waits for the slowest).
     one_thread, all_threads = (max(column) for column in zip(*peaks))
@@ -579,8 +583,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=common.positive_int, help="steps each layout trains (default 8; --quick 4)")
     parser.add_argument("--global_batch_size", type=common.positive_int, default=64,
                         help="sequences a step over all ranks (default 64)")
-    parser.add_argument("--repeats", type=common.positive_int, default=5,
-                        help="runs of nd_parallel.py on one process and of the plain loop, alternating (default 5)")
+    parser.add_argument("--repeats", type=common.positive_int,
+                        help="runs of nd_parallel.py on one process and of the plain loop, alternating (default 5; "
+                             "--quick 2)")
     parser.add_argument("--timeout", type=common.positive_float, default=900, help="seconds for each job")
     parser.add_argument("--out", default=report.DEFAULT_OUT, help="folder of parallel_bytes.json and .png")
     common.run(main, parser)

@@ -2,9 +2,10 @@
 
     python benchmarks/restart_store.py      # 10 jobs each of 3 ways on one machine; prints the counts, writes a JSON
     python benchmarks/restart_store.py --ways plain group_store loopback env prefix --scenarios standalone two_nodes
+    python benchmarks/restart_store.py --jobs 1 --crashes 1 --job_timeout 40 --out /tmp/results    # a smoke test
 
-Each job runs a worker that forms its group and all-reduces; in each of the first 3 attempts rank 1 exits at
-once (as a crash does, leaving the group's keys behind in torchrun's store), while rank 0 computes for
+Each job runs a worker that forms its group and all-reduces; in each of the first 3 attempts (--crashes) rank 1
+exits at once (as a crash does, leaving the group's keys behind in torchrun's store), while rank 0 computes for
 --busy seconds before its next all-reduce. `--max_restarts=3` covers exactly those 3 crashes: a job that ends 0
 used its restarts; one that ends non-zero burned them all; one where no attempt starts for --job_timeout
 seconds while it runs hangs (it is killed: a loaded machine makes a job slow, not hung). Scenarios:
@@ -35,7 +36,6 @@ from benchmarks.launches import BIN, clean_env  # noqa: E402
 
 WAYS = ("plain", "group_store", "loopback", "env", "prefix")
 SCENARIOS = ("standalone", "two_nodes")
-CRASHES = 3
 
 # group_store as multigpu_torchrun.py had it (its server on every interface), copied: the benchmark outlives it.
 GROUP_STORE = '''
@@ -137,17 +137,17 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def job(worker, way, scenario, busy, timeout):
+def job(worker, way, scenario, busy, timeout, crashes):
     """{"end": "finished" | "burned" | "hung", "seconds", "starts"} of one job."""
     env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1") if way == "env" else clean_env()
     env["RESTART_STORE_JOB"] = mark = f"{os.getpid()}-{time.monotonic_ns()}"  # finds the job's workers later
     with tempfile.TemporaryDirectory() as folder:
         tail = [worker, way, str(busy), folder]
         if scenario == "standalone":
-            commands = [[str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", f"--max_restarts={CRASHES}",
+            commands = [[str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", f"--max_restarts={crashes}",
                          *tail]]
         else:
-            node = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", f"--max_restarts={CRASHES}",
+            node = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", f"--max_restarts={crashes}",
                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_id={mark}", *tail]
             commands = [node, node]
         started = time.perf_counter()
@@ -183,32 +183,35 @@ def main():
     parser.add_argument("--busy", type=float, default=2, help="seconds rank 0 computes between its all-reduces")
     parser.add_argument("--job_timeout", type=float, default=120,
                         help="seconds without a new attempt before a running job counts as hung (default 120)")
+    parser.add_argument("--crashes", type=int, default=3,
+                        help="attempts in which rank 1 exits, and torchrun's --max_restarts (default 3)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT, help="folder for the JSON")
     args = parser.parse_args()
-    if args.jobs < 1 or args.busy < 0 or args.job_timeout <= 0:
-        parser.error("--jobs and --job_timeout must be positive, --busy not negative")
+    if args.jobs < 1 or args.crashes < 1 or args.busy < 0 or args.job_timeout <= 0:
+        parser.error("--jobs, --crashes and --job_timeout must be positive, --busy not negative")
     machine = report.machine()
     print(report.machine_line(machine), flush=True)
     tables = {}
     with tempfile.TemporaryDirectory() as tmp:
         worker = os.path.join(tmp, "worker.py")
-        Path(worker).write_text(WORKER.format(group_store=GROUP_STORE, loopback_store=LOOPBACK_STORE, crashes=CRASHES))
+        Path(worker).write_text(WORKER.format(group_store=GROUP_STORE, loopback_store=LOOPBACK_STORE,
+                                              crashes=args.crashes))
         for scenario in args.scenarios:
             results = tables.setdefault(scenario, {})
             for way in args.ways:
                 runs = []
                 for _ in range(args.jobs):
-                    runs.append(job(worker, way, scenario, args.busy, args.job_timeout))
+                    runs.append(job(worker, way, scenario, args.busy, args.job_timeout, args.crashes))
                     print(f"  {scenario} {way}: {runs[-1]['end']} in {runs[-1]['seconds']:.0f} s, (rank:restart "
                           f"count) {' '.join(runs[-1]['starts'])}", flush=True)
                 counts = {end: sum(r["end"] == end for r in runs) for end in ("finished", "burned", "hung")}
                 median = sorted(r["seconds"] for r in runs)[len(runs) // 2]
                 results[way] = {"jobs": args.jobs, **counts, "median_s": median, "runs": runs}
                 print(f"{scenario:10} | {way:11} | {args.jobs} jobs | {counts['finished']} finished | "
-                      f"{counts['burned']} burned all {CRASHES} restarts | {counts['hung']} hung | "
+                      f"{counts['burned']} burned all {args.crashes} restarts | {counts['hung']} hung | "
                       f"median {median:.1f} s a job", flush=True)
     machine["load_average_after"] = report.machine()["load_average_1_5_15min"]
-    result = {"benchmark": "restart_store", "machine": machine, "busy_s": args.busy,
+    result = {"benchmark": "restart_store", "machine": machine, "busy_s": args.busy, "crashes": args.crashes,
               # one machine's table stays where it always was: results[way]
               "results": tables.get("standalone", {}), "two_nodes": tables.get("two_nodes", {})}
     print(f"Wrote {report.write_json(args.out / 'restart_store.json', result)}")

@@ -27,6 +27,7 @@ most 5% DDP overhead at 1 rank; with --comm_hook/--zero, some setting >= 0.9 x c
 accuracy within 0.5 points of no compression. Writes scaling.json and scaling.png (and scaling-comm.png
 with several settings; profile.json with --profile) to --out.
 """
+import ast
 import contextlib
 import json
 import os
@@ -53,7 +54,6 @@ import torch.distributed.nn  # before any process group: docs/failures.md, clean
 from benchmarks.comm_hooks import CommHook
 from benchmarks.common import UsageError, check_backend, free_port
 from models_and_data import MLP, LinearClassifier, mnist_splits
-from train import SimpleCNN  # train.py's model, for the MNIST rows
 
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to 0..1
@@ -77,6 +77,17 @@ def synchronize(device):
         torch.accelerator.synchronize(device)
 
 
+def train_py_class(name):
+    """A class of train.py (its SimpleCNN, for the MNIST rows) without importing train.py: its transformers and
+    datasets imports cost seconds of CPU in this process and in each spawned rank, and the class needs only torch."""
+    source = (Path(__file__).resolve().parent.parent / "train.py").read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == name)
+    namespace = {"torch": torch, "nn": torch.nn, "F": F}
+    exec(compile(ast.Module([node], type_ignores=[]), "train.py", "exec"), namespace)
+    return namespace[name]
+
+
+SimpleCNN = train_py_class("SimpleCNN")
 # name: (model, per-rank batch, one sample's shape, labels (classes) or regression targets (None), description)
 MODELS = {
     "mlp": (lambda: MLP(input_size=20), 32, (20,), None, "tutorial MLP 20-64-64-1, batch 32"),

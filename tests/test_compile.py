@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, load_snapshot, run, \
-    torchrun_cmd
+from conftest import REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, load_snapshot, \
+    python_cmd, rank_0_env, run, torchrun_cmd
 
 # Two hidden layers of 512: the last two layers hold more than DDP's first bucket (1 MiB), so DDPOptimizer splits.
 MODEL = ("--hidden_size", "512", "--input_size", "20")
@@ -140,9 +140,11 @@ def test_bad_compile_flags_are_one_line(tmp_path, args, fragment):
 
 def test_a_missing_cxx_compiler_is_one_line_before_any_work(tmp_path, env):
     """Inductor compiles with $CXX (else g++): one missing is inductor's own error, in one line that says what to
-    do, before the process group starts, not a traceback at the first step."""
-    result = compiled_py(tmp_path, {**env, "CXX": str(tmp_path / "missing" / "g++")}, "s.pt", "--compile", "default",
-                         check=False)
+    do, before the process group starts, not a traceback at the first step. Rank 0 of 2 alone, in torchrun's
+    environment: a check after the process group would wait there for rank 1 until the timeout."""
+    result = run(python_cmd("by_feature/compiled.py", *MODEL, "--snapshot_path", "s.pt", "--compile", "default"),
+                 cwd=tmp_path, env=rank_0_env(2, TORCHINDUCTOR_CACHE_DIR=env["TORCHINDUCTOR_CACHE_DIR"],
+                                              CXX=tmp_path / "missing" / "g++"), timeout=120, check=False)
     assert_one_line_error(result, "No working C++ compiler found", "missing/g++", "install g++", "--compile none",
                           code=1)
     assert "Epoch" not in result.stdout and not (tmp_path / "s.pt").exists()

@@ -3,7 +3,8 @@ subprocess. Every rank takes part (the summary's world size is 2) and a second s
 first's snapshot. train.py runs as one node of two processes (`-j 1x2`); multinode.py first as two nodes of one
 (`-j 2x1`), two torchrun agents that meet on `--rdzv_port`, then resumes as one node of two. dist.ddp starts
 torchrun, which runs every other script elsewhere; multinode.py is step 3 (multigpu_torchrun.py) plus its
-node-local snapshots, so step 3 needs no submission of its own.
+node-local snapshots, so step 3 needs no submission of its own. train.py's resume on two ranks, Hugging Face's own
+code once the ranks run, is test_clients.py's and test_ray.py's: here one submission.
 
 torchx 0.7.0 pins urllib3<1.27 (this repository's 2.x would go back to 1.26), so it is not in
 requirements-dev.txt: the tests install it into a venv of its own under ~/.cache, which sees this python's
@@ -24,7 +25,7 @@ import torch
 
 from conftest import BIN, MNIST, REPO, clean_env, epoch_lines, free_port, run, summary
 
-pytestmark = pytest.mark.slow  # about a minute and a half: four submissions, each starting torchx and torchrun
+pytestmark = pytest.mark.slow  # about a minute: three submissions, each starting torchx and torchrun
 
 TORCHX = "torchx==0.7.0"
 # dist.ddp's command is the bare word `torchrun`, found on PATH: this python's (the venv has no torchrun).
@@ -83,15 +84,10 @@ def test_multinode_trains_on_every_rank_of_two_nodes_and_resumes_on_one_node_of_
     assert summary(out).world_size == 2, out[-3000:]
 
 
-def test_train_py_trains_on_both_ranks_and_resumes_under_torchx(torchx, tmp_path):
+def test_train_py_trains_on_both_ranks_under_torchx(torchx, tmp_path):
     out_dir = tmp_path / "out"
     common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples",
               "128", "--disable_tqdm", "True")
     out = submit(torchx, tmp_path, "train.py", *common, "--num_train_epochs", "1", timeout=300)
-    assert summary(out).world_size == 2, out[-3000:]
-    steps = json.loads((out_dir / "trainer_state.json").read_text())["global_step"]
-    out = submit(torchx, tmp_path, "train.py", *common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last",
-                 timeout=300)
-    assert f"resuming from {out_dir / f'checkpoint-{steps}'}" in out, out[-3000:]
-    assert summary(out).world_size == 2, out[-3000:]
-    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 2 * steps
+    assert summary(out).world_size == 2 and "weights identical on all 2 ranks" in out, out[-3000:]
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] > 0, out[-3000:]

@@ -60,12 +60,12 @@ def main(argv):
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, runtime_env=runtime_env)
     else:
         ray.init(runtime_env=runtime_env)
+    print(f"Ray nodes: {', '.join(node['NodeManagerAddress'] for node in ray.nodes())}", flush=True)
     resource = "GPU" if args.use_gpu else "CPU"
     have = ray.cluster_resources().get(resource, 0)
     if args.local and have < args.num_workers:  # Ray would wait for more forever
         ray.shutdown()
         sys.exit(f"error: --num_workers {args.num_workers}, but this machine has {have:g} {resource}s")
-    print(f"Ray nodes: {', '.join(node['NodeManagerAddress'] for node in ray.nodes())}", flush=True)
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config={"script": script, "argv": argv[cut + 1:]},
                            scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu))
     try:

@@ -1,7 +1,7 @@
 """The examples under the launch clients users already drive, each the real client in a subprocess: accelerate's
 `accelerate launch`, `python -m torch.distributed.run` and `python -m torch.distributed.launch --use-env`. Every
 rank takes part (the job's world size is the processes started) and a second launch resumes from the first's
-snapshot.
+snapshot, under accelerate or under another client (a snapshot does not depend on the launcher that wrote it).
 """
 import json
 import sys
@@ -33,22 +33,25 @@ CLIENTS = {
 }
 
 
-# accelerate sets up the processes its own way: every kind of example under it, and train.py. torch.distributed.run
-# is torchrun's own code, and launch --use-env a thin layer over it: one example each (torchrun runs every script
-# elsewhere). The developer loop (-m "not slow") keeps accelerate with step 3 and train.py.
+# accelerate sets up the processes its own way: every kind of example trains under it, and train.py.
+# torch.distributed.run is torchrun's own code, and launch --use-env a thin layer over it (torchrun runs every script
+# from scratch and resumes it elsewhere): each resumes one example that accelerate trained, one launch a client
+# where a launch for each client and script cost twice as much. The developer loop (-m "not slow") keeps accelerate
+# with step 3 and train.py.
 SLOW = pytest.mark.slow
-PAIRS = [("accelerate", "multigpu_torchrun.py"), pytest.param("accelerate", "multinode.py", marks=SLOW),
-         pytest.param("accelerate", "by_feature/gradient_accumulation.py", marks=SLOW),
-         pytest.param("torch.distributed.run", "multinode.py", marks=SLOW),
-         pytest.param("torch.distributed.launch", "multigpu_torchrun.py", marks=SLOW)]
+# (script, the client of the first launch, that of the second, which resumes)
+CHAINS = [("multigpu_torchrun.py", "accelerate", "accelerate"),
+          pytest.param("multinode.py", "accelerate", "torch.distributed.run", marks=SLOW),
+          pytest.param("by_feature/gradient_accumulation.py", "accelerate", "torch.distributed.launch", marks=SLOW)]
 
 
-@pytest.mark.parametrize("client, script", PAIRS)
-def test_an_example_trains_on_every_rank_and_resumes_under_the_client(tmp_path, client, script):
+@pytest.mark.parametrize("script, client, resumer", CHAINS)
+def test_an_example_trains_on_every_rank_under_the_client_and_resumes_under_the_resumer(tmp_path, script, client,
+                                                                                         resumer):
     first, second = CLIENT_SCRIPTS[script]
     out = run(CLIENTS[client](script, *first), cwd=tmp_path, env=ENV, timeout=180).stdout
     assert summary(out).world_size == 2 and [line.epoch for line in epoch_lines(out)] == [0, 1], out[-3000:]
-    out = run(CLIENTS[client](script, *second), cwd=tmp_path, env=ENV, timeout=180).stdout
+    out = run(CLIENTS[resumer](script, *second), cwd=tmp_path, env=ENV, timeout=180).stdout
     assert "Resuming from" in out and [line.epoch for line in epoch_lines(out)] == [2, 3], out[-3000:]
     assert summary(out).world_size == 2, out[-3000:]
 

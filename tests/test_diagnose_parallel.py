@@ -124,36 +124,9 @@ def test_pipeline_with_a_stopped_stage_names_the_p2p_op_and_the_stage_it_waits_o
     assert re.match(head, line), line
 
 
-def test_nd_a_stopped_rank_is_named_alone_with_who_waits_for_it_in_which_group(tmp_path):
-    # dp_shard 2 x tp 2: ranks [0, 1] and [2, 3] split each layer (tp), [0, 2] and [1, 3] shard it (FSDP2). Rank 3
-    # stops as layers.0 begins step 12's forward. Its tp partner (rank 2) waits for it in their tp group, rank 1 in
-    # their dp_shard group (an FSDP2 gather); rank 0 waits for a rank that waits in turn. Only rank 3 is blamed.
-    line = diagnosed(tmp_path, "nd_parallel.py", "stop", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"),
-                     timeout=MESH_TIMEOUT)
-    head = (rf"diagnose: collective #\d+ \(.*?\) in (tp group \[2, 3\]|dp_shard group \[1, 3\]) waited more than "
-            rf"--timeout {MESH_TIMEOUT}s: rank 3 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs nothing until it "
-            r"gets SIGCONT; waiting: ")
-    assert re.match(head, line), line
-    waits = waiting(line)
-    assert set(waits) == {"rank 0", "rank 1", "rank 2"}, line
-    assert waits["rank 1"].endswith(" of dp_shard group [1, 3]") and waits["rank 2"].endswith(" of tp group [2, 3]")
-    step = re.escape(line_of("nd_parallel.py", "return work(*args, **kwargs)"))  # the timed stage forward
-    attention = re.escape(line_of("language_model.py", "self.self_attn(self.input_layernorm(x))"))
-    layers = re.escape(line_of("language_model.py", "x = layer(x)"))
-    assert re.search(rf"rank 2 in (the collective above|#\d+ \(all_gather of \[{BATCH // 2}, {SEQ // 2}, {DIM}\], "
-                     rf"DTensor in PrepareModuleInput of layers\.0\.self_attn at {step} via {attention} in forward\)) "
-                     r"of tp group", line), line
-    # Rank 1 has gathered layers.0 with rank 3; it waits for rank 3 in the gather of layers.1.
-    assert re.search(rf"rank 1 in (the collective above|#\d+ \(all_gather of \[\d+\], FSDP of layers\.1 at {step} via "
-                     rf"{layers} in forward\)) of dp_shard group", line), line
-    # That gather is named by its module, in the head (the collective above) or in rank 1's wait.
-    assert re.search(rf"\(all_gather of \[\d+\], FSDP of layers\.1 at {step} via {layers} in forward\)", line), line
-    assert re.search(r"rank 0 in .*? of \w+ group \[0, [12]\], for rank [12], which waits in turn;", line), line
-    assert "odd one out" not in line and "did not arrive" not in line, line
-
-
 def test_nd_a_killed_rank_is_named_at_once_by_the_group_it_broke_and_torchfrtrace_reads_the_rest(tmp_path):
-    # The same mesh; rank 3 SIGKILLs itself at the same point. Its tp partner's all-gather fails at once (the
+    # dp_shard 2 x tp 2: ranks [0, 1] and [2, 3] split each layer (tp), [0, 2] and [1, 3] shard it (FSDP2). Rank 3
+    # SIGKILLs itself as layers.0 begins step 12's forward. Its tp partner's all-gather fails at once (the
     # pipeline stage raises its own error from it); ranks 0 and 1 fail on ranks that failed. The line names the
     # collective that rank 3 broke, its group, module and model line, and rank 3 as killed; the hint's torchfrtrace
     # command reads the three dumps there are.
@@ -179,9 +152,11 @@ def test_nd_a_killed_rank_is_named_at_once_by_the_group_it_broke_and_torchfrtrac
 
 
 def test_nd_at_8_processes_a_stopped_rank_is_named_alone_across_pipeline_tensor_and_data_groups(tmp_path):
-    # pp 2 x dp_shard 2 x tp 2: rank 5 (stage 1) stops in its first layer of step 12. Its pipeline peer (rank 1)
-    # waits to send it activations, its tp partner (rank 4) in an all-gather, its dp_shard partner (rank 7) in an
-    # FSDP2 gather; the others wait for ranks that wait in turn. Each is named in its own group, none blamed.
+    # pp 2 x dp_shard 2 x tp 2: rank 5 (stage 1) stops as its first layer (layers.1) begins step 12's forward. Its
+    # pipeline peer (rank 1) waits to send it activations, its tp partner (rank 4) in the all-gather of its slice of
+    # the sequence before attention (PrepareModuleInput of layers.1.self_attn); the others wait for ranks that wait in
+    # turn, or for rank 5 in their dp_shard group. Each is named in its own group, only rank 5 blamed. (An FSDP2
+    # gather named by its module, on a user's 4-process FSDP2 x TP script: test_diagnose_installed.py.)
     line = diagnosed(tmp_path, "nd_parallel.py", "stop", 5, 12, nproc=8, args=("--dp", "2", "--tp", "2", "--pp", "2"),
                      timeout=MESH_TIMEOUT)
     assert re.match(rf"diagnose: .*? in (pp group \[1, 5\]|tp group \[4, 5\]|dp_shard group \[5, 7\]) waited more "
@@ -190,7 +165,17 @@ def test_nd_at_8_processes_a_stopped_rank_is_named_alone_across_pipeline_tensor_
     waits = waiting(line)
     assert set(waits) == {f"rank {r}" for r in (0, 1, 2, 3, 4, 6, 7)}, line
     assert waits["rank 1"].endswith(" of pp group [1, 5]") and waits["rank 4"].endswith(" of tp group [4, 5]"), line
-    assert "different collectives" not in line and "did not arrive" not in line, line
+    # Rank 4's all-gather, named by DTensor's module at the timed stage forward via the model's line: in the head
+    # (the collective above) or in rank 4's wait. Its shape: a dp rank's batch, one micro-batch of two, half the
+    # sequence.
+    step = re.escape(line_of("nd_parallel.py", "return work(*args, **kwargs)"))
+    attention = re.escape(line_of("language_model.py", "self.self_attn(self.input_layernorm(x))"))
+    assert re.search(rf"\(all_gather of \[{BATCH // 2 // MICROBATCHES}, {SEQ // 2}, {DIM}\], DTensor in "
+                     rf"PrepareModuleInput of layers\.1\.self_attn at {step} via {attention} in forward\)", line), line
+    assert re.search(r"rank 4 in (the collective above|#\d+ \(all_gather .*?\)) of tp group \[4, 5\], for rank 5;",
+                     line), line
+    assert re.search(r"rank 0 in .*? of \w+ group \[0, \d\], for rank \d, which waits in turn;", line), line
+    assert "different collectives" not in line and "did not arrive" not in line and "odd one out" not in line, line
 
 
 def test_nd_a_rank_that_skips_a_layer_is_named_by_the_group_whose_collective_it_broke(tmp_path):

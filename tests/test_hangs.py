@@ -5,11 +5,12 @@ user's script under every launcher, are in test_diagnose.py; here run_with_mpiru
 by a wrapper that deadlocks one rank after an optimizer step.
 """
 import json
+import subprocess
 
 import pytest
 
-from conftest import (BIN, PROGRAMS, REPO, assert_one_line_error, clean_env, mpi_env, mpirun_cmd, python_cmd, run,
-                      torchrun_cmd, watch)
+from conftest import (BIN, PROGRAMS, REPO, assert_one_line_error, clean_env, mpi_env, mpirun_cmd, python_cmd,
+                      rank_0_env, run, torchrun_cmd, watch)
 
 TIMEOUT = 8  # the tool's --timeout: long enough that a loaded 2-core machine never trips it in healthy steps
 DEADLINE_S = TIMEOUT + 30  # from the fault to the job's end
@@ -61,19 +62,30 @@ GATHER = f"all_gather of [2] at {line_of('dist.all_gather(gathered, stats)')}"
 
 
 @pytest.mark.quick
-def test_without_a_fault_it_trains_and_the_tool_says_nothing(tmp_path):
-    code, lines = watch(diagnosed(torchrun_cmd("hangs.py", "--steps", "12")), tmp_path, clean_env())
+def test_without_a_fault_it_trains_the_tool_says_nothing_and_the_next_sitecustomize_still_runs(tmp_path):
+    """A job that does not hang ends as without the tool; the tests' own sitecustomize (tests/support), which
+    counts each rank's collectives, still loads after the tool's."""
+    code, lines = watch(diagnosed(torchrun_cmd("hangs.py", "--steps", "12")), tmp_path,
+                        clean_env(DDP_EXAMPLES_PROBE_COLLECTIVES=1))
     output = "\n".join(line for _, line in lines)
     assert code == 0, output[-3000:]
     assert "Trained 12 steps: no fault, no hang" in output and "diagnose:" not in output, output[-3000:]
+    # 12 steps: a gradient all_reduce and an all_gather each, after DDP's 5 collectives at construction.
+    assert output.count("issued 29 collectives") == 2, output[-3000:]
 
 
-def test_a_skipped_collective_is_named_on_both_sides(tmp_path):
-    """Rank 1 skips the step's all_gather and goes on to the next step's gradient all_reduce."""
+def test_a_skipped_collective_is_named_on_both_sides_and_torchfrtrace_reads_the_dumps(tmp_path):
+    """Rank 1 skips the step's all_gather and goes on to the next step's gradient all_reduce. The dumps land in
+    fr_traces/ of the folder the tool runs in, and the hint's torchfrtrace reads them."""
     line, _ = hangs_py(tmp_path, "skip")
     assert line.startswith("diagnose: collective #") and f"({GATHER}) waited more than --timeout {TIMEOUT}s" in line
     assert f"the ranks wait in different collectives: rank 0 in {GATHER}; rank 1 in {BACKWARD}" in line, line
     assert "flight recorder: `torchfrtrace fr_traces/" in line, line
+    folder = line.split("torchfrtrace ")[1].split("`")[0]
+    assert sorted(p.name for p in (tmp_path / folder).iterdir()) == ["rank_0", "rank_1"]
+    report = subprocess.run([BIN / "torchfrtrace", folder], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "Culprit rank 1" in report.stdout + report.stderr, (report.stdout + report.stderr)[-3000:]
 
 
 def test_another_collective_is_named_on_both_sides(tmp_path):
@@ -99,22 +111,24 @@ def test_a_rank_stuck_in_its_own_code_is_named_with_its_line(tmp_path):
 
 
 def test_a_killed_rank_is_named_at_once_with_its_signal(tmp_path):
+    """Rank 1 dies after its optimizer step: rank 0's all_gather of the step's numbers fails."""
     line, lines = hangs_py(tmp_path, "die")
-    assert line.startswith("diagnose: collective #") and "failed (" in line, line
-    assert "rank 1 is gone: killed by SIGKILL" in line, line
+    assert line.startswith("diagnose: collective #") and f"({GATHER}) failed (" in line, line
+    assert "rank 1 is gone: killed by SIGKILL" in line and "no torchfrtrace: rank 1 did not answer" in line, line
     killed = next(moment for moment, text in lines if "--fault die at step 3" in text)
     said = next(moment for moment, text in lines if text.startswith("diagnose: "))
     assert said - killed < 10, f"the line came {said - killed:.0f}s after the kill"
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("cmd, message", [
-    (torchrun_cmd("hangs.py", "--fault_rank", "2"), "hangs.py: error: --fault_rank 2 is not a rank of 2 (0 to 1)"),
-    (python_cmd("hangs.py", "--fault", "stall"), "hangs.py: error: start it with torchrun, under the diagnosis tool"),
+@pytest.mark.parametrize("args, env, message", [
+    # As rank 0 of a launch of 2, alone: hangs.py checks --fault_rank before its process group, as every rank would.
+    (("--fault_rank", "2"), rank_0_env(2), "hangs.py: error: --fault_rank 2 is not a rank of 2 (0 to 1)"),
+    (("--fault", "stall"), None, "hangs.py: error: start it with torchrun, under the diagnosis tool"),
 ], ids=["fault-rank-out-of-range", "without-torchrun"])
-def test_bad_input_is_one_line(tmp_path, cmd, message):
-    result = run(cmd, cwd=tmp_path, check=False, timeout=90)
-    assert_one_line_error(result, message, code=1 if "torchrun" in str(cmd[0]) else 2)
+def test_bad_input_is_one_line(tmp_path, args, env, message):
+    result = run(python_cmd("hangs.py", *args), cwd=tmp_path, env=env, check=False, timeout=90)
+    assert_one_line_error(result, message, code=2)
 
 
 @pytest.mark.slow

@@ -5,8 +5,9 @@ loopback, and the test checks that it did: Ray's node and the group's master add
 
 The training runs join one Ray that `ray start --head` started for this file (RAY_ADDRESS, as on a cluster): a
 Ray of its own costs each run about half as much CPU again. The runner's own Ray (--local, the docs' command)
-starts in the bad-input test, whose ray.shutdown() stops it; the fixture that checks for leftovers finds any of
-Ray's processes that outlive a run. Never `ray stop`: it stops every Ray on the machine, other tests' too.
+starts in the bad-input test (too many workers: it starts, names its node and stops), whose ray.shutdown() stops
+it; the fixture that checks for leftovers finds any of Ray's processes that outlive a run. Never `ray stop`: it
+stops every Ray on the machine, other tests' too.
 """
 import json
 import re
@@ -121,18 +122,20 @@ def last_line_error(result, *fragments):
 
 
 @pytest.mark.slow
-def test_bad_input_to_the_runner_stops_it_with_one_line(tmp_path, ray_env):
+def test_bad_input_to_the_runner_stops_it_with_one_line(tmp_path, ray_env, ray_cluster):
     result = run([*RUNNER, tmp_path / "nope.py", "--local"], cwd=tmp_path, env=ray_env, check=False, timeout=60)
     last_line_error(result, "nope.py is not a Python file")
-    # More workers than this machine's CPUs: Ray would wait for them forever.
+    # More workers than this machine's CPUs: Ray would wait for them forever. The Ray it started first (--local)
+    # is on 127.0.0.1.
     result = run([*RUNNER, REPO / "multinode.py", "--local", "--num_workers", "1000"], cwd=tmp_path, env=ray_env,
                  check=False, timeout=120)
     last_line_error(result, "--num_workers 1000, but this machine has")
-    # The example stops (sys.exit on every rank, before any collective): the runner says why in one line.
+    assert re.search(r"^Ray nodes: 127\.0\.0\.1$", result.stdout, re.MULTILINE), result.stdout[-3000:]  # --local
+    # The example stops (sys.exit on every rank, before any collective): the runner says why in one line. On the
+    # file's Ray: a Ray of its own would cost half as much CPU again.
     (tmp_path / "bad.pt").write_bytes(b"not a snapshot")
-    result = run([*RUNNER, REPO / "multigpu_torchrun.py", "--local", "--", "2", "1", "--snapshot_path",
-                  tmp_path / "bad.pt"], cwd=tmp_path, env=ray_env, check=False, timeout=300)
+    result = run([*RUNNER, REPO / "multigpu_torchrun.py", "--", "2", "1", "--snapshot_path", tmp_path / "bad.pt"],
+                 cwd=tmp_path, env=ray_cluster, check=False, timeout=300)
     # Every rank fails alike; Ray Train stops the others once it sees one fail, so the lowest rank it saw may be 1.
     last = last_line_error(result, f"under Ray Train: cannot read the snapshot {tmp_path / 'bad.pt'}")
-    assert re.search(r"^Ray nodes: 127\.0\.0\.1$", result.stdout, re.MULTILINE), result.stdout[-3000:]  # --local
     assert re.search(r"multigpu_torchrun\.py failed on rank [01] under", last), last

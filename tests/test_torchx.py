@@ -1,8 +1,10 @@
 """The examples under torchx 0.7.0's `dist.ddp` component on its `local_cwd` scheduler: the real `torchx run` in a
 subprocess. Every rank takes part (the summary's world size is 2) and a second submission resumes from the
-first's snapshot. Step 3 and train.py run as one node of two processes (`-j 1x2`); multinode.py as two nodes of
-one (`-j 2x1`), two torchrun agents that meet on `--rdzv_port`. dist.ddp starts torchrun, which runs every other
-script elsewhere.
+first's snapshot. train.py runs as one node of two processes (`-j 1x2`); multinode.py first as two nodes of one
+(`-j 2x1`), two torchrun agents that meet on `--rdzv_port`, then resumes as one node of two. dist.ddp starts
+torchrun, which runs every other script elsewhere; multinode.py is step 3 (multigpu_torchrun.py) plus its
+node-local snapshots, so step 3 needs no submission of its own. train.py's resume on two ranks, Hugging Face's own
+code once the ranks run, is test_clients.py's and test_ray.py's: here one submission.
 
 torchx 0.7.0 pins urllib3<1.27 (this repository's 2.x would go back to 1.26), so it is not in
 requirements-dev.txt: the tests install it into a venv of its own under ~/.cache, which sees this python's
@@ -23,7 +25,7 @@ import torch
 
 from conftest import BIN, MNIST, REPO, clean_env, epoch_lines, free_port, run, summary
 
-pytestmark = pytest.mark.slow  # about two minutes: eight submissions, each starting torchx and torchrun
+pytestmark = pytest.mark.slow  # about a minute: three submissions, each starting torchx and torchrun
 
 TORCHX = "torchx==0.7.0"
 # dist.ddp's command is the bare word `torchrun`, found on PATH: this python's (the venv has no torchrun).
@@ -71,35 +73,21 @@ def submit(torchx, tmp_path, script, *args, nodes="1x2", timeout=180):
     return "\n".join(lines)
 
 
-# script: (nodes x processes, first submission's arguments, the second's)
-SCRIPTS = {
-    "multigpu_torchrun.py": ("1x2", ("2", "1"), ("4", "1")),
-    "multinode.py": ("2x1", ("2", "1"), ("4", "1")),
-}
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_an_example_trains_on_every_rank_and_resumes_under_torchx(torchx, tmp_path, script):
-    nodes, first, second = SCRIPTS[script]
+def test_multinode_trains_on_every_rank_of_two_nodes_and_resumes_on_one_node_of_two_under_torchx(torchx, tmp_path):
     # local_cwd runs in the submitting folder; an explicit path keeps the snapshot where the next job looks.
     snapshot = tmp_path / "snapshot.pt"
-    out = submit(torchx, tmp_path, script, *first, "--snapshot_path", snapshot, nodes=nodes)
+    out = submit(torchx, tmp_path, "multinode.py", "2", "1", "--snapshot_path", snapshot, nodes="2x1")
     assert summary(out).world_size == 2 and [line.epoch for line in epoch_lines(out)] == [0, 1], out[-3000:]
     assert snapshot.exists(), out[-3000:]
-    out = submit(torchx, tmp_path, script, *second, "--snapshot_path", snapshot, nodes=nodes)
+    out = submit(torchx, tmp_path, "multinode.py", "4", "1", "--snapshot_path", snapshot, nodes="1x2")
     assert f"Resuming from {snapshot}" in out and [line.epoch for line in epoch_lines(out)] == [2, 3], out[-3000:]
     assert summary(out).world_size == 2, out[-3000:]
 
 
-def test_train_py_trains_on_both_ranks_and_resumes_under_torchx(torchx, tmp_path):
+def test_train_py_trains_on_both_ranks_under_torchx(torchx, tmp_path):
     out_dir = tmp_path / "out"
     common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples",
               "128", "--disable_tqdm", "True")
     out = submit(torchx, tmp_path, "train.py", *common, "--num_train_epochs", "1", timeout=300)
-    assert summary(out).world_size == 2, out[-3000:]
-    steps = json.loads((out_dir / "trainer_state.json").read_text())["global_step"]
-    out = submit(torchx, tmp_path, "train.py", *common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last",
-                 timeout=300)
-    assert f"resuming from {out_dir / f'checkpoint-{steps}'}" in out, out[-3000:]
-    assert summary(out).world_size == 2, out[-3000:]
-    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 2 * steps
+    assert summary(out).world_size == 2 and "weights identical on all 2 ranks" in out, out[-3000:]
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] > 0, out[-3000:]

@@ -243,19 +243,19 @@ def test_ddp_py_nccl_without_gpus_says_use_gloo(tmp_path):
 
 @pytest.mark.parametrize("script", ["ddp.py", "torchrun_ddp.py"])
 def test_more_ranks_on_a_node_than_gpus_is_refused(tmp_path, script):
-    """torch is made to report 2 GPUs and NCCL (the check runs before any GPU is touched), also on a machine with
-    GPUs: the tests' launches have those hidden."""
-    env, ranks = clean_env(DDP_EXAMPLES_PROBE_FAKE_GPUS=2), 3
+    """torch is made to report 1 GPU and NCCL (the check runs before any GPU is touched), also on a machine with
+    GPUs: the tests' launches have those hidden. 2 ranks on it: one too many, as 9 on 8 GPUs."""
+    env, ranks = clean_env(DDP_EXAMPLES_PROBE_FAKE_GPUS=1), 2
     if script == "ddp.py":
         result = run(python_cmd("ddp.py", "--backend", "nccl", "--world_size", ranks), cwd=tmp_path, env=env,
                      check=False, timeout=60)
         assert_one_line_error(result, f"{ranks} ranks on this node but only {ranks - 1} cuda device(s)")
     else:  # torchrun_ddp.py trains them all on the CPU (a Mac has one mps device), where NCCL cannot run
-        # The refusal comes before the process group: rank 0 of 3 alone, in the environment torchrun gives it, says
+        # The refusal comes before the process group: rank 0 of 2 alone, in the environment torchrun gives it, says
         # what every rank would (a rank that went on would wait for the others until the timeout). The training
         # below is under torchrun itself.
         result = run(python_cmd(script, *SMALL, "--backend", "nccl"), cwd=tmp_path, check=False, timeout=90,
-                     env=rank_0_env(ranks, DDP_EXAMPLES_PROBE_FAKE_GPUS=2))
+                     env=rank_0_env(ranks, DDP_EXAMPLES_PROBE_FAKE_GPUS=1))
         assert_one_line_error(result, "--backend nccl needs a CUDA GPU for each process", "gloo on the CPU", code=1)
         torchrun = [BIN / "torchrun", "--standalone", f"--nproc_per_node={ranks}", REPO / script, *SMALL]
         out = run([*torchrun, "--total_epochs", "1"], cwd=tmp_path, env=env, timeout=120).stdout

@@ -2,13 +2,14 @@
 mixed_precision.py under torchrun, ddp.py under its own mp.spawn with the rendezvous from a .env file:
 reduction over ranks, no_sync accumulation (counted), bf16 autocast (seen in the losses), resume, normal
 training against DDP (from the saved weights), and one-line errors."""
+import shutil
 import socket
 
 import pytest
 import torch
 
 from conftest import (BIN, REPO, assert_one_line_error, clean_env, collectives_issued, epoch_lines, free_port,
-                      load_snapshot, python_cmd, run, summary)
+                      load_snapshot, python_cmd, rank_0_env, run, summary)
 
 from models_and_data import LinearClassifier
 
@@ -38,11 +39,11 @@ def big_batch_run(tmp_path_factory):
     resume, and bf16's fp32 counterpart."""
     directory = tmp_path_factory.mktemp("big_batch")
     result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64"), cwd=directory)
-    return result, load_snapshot(directory / "torchrun_ddp.pt")
+    return result, load_snapshot(directory / "torchrun_ddp.pt"), directory
 
 
 def test_torchrun_learns_and_counts_every_sample_of_both_ranks(big_batch_run):
-    result, state = big_batch_run
+    result, state, _ = big_batch_run
     lines = epoch_lines(result.stdout)
     assert_learned(lines, 3)
     # Each rank trains on half of the 4096 samples: the figures printed by rank 0 are the sums over both
@@ -53,16 +54,29 @@ def test_torchrun_learns_and_counts_every_sample_of_both_ranks(big_batch_run):
     assert state["epochs_run"] == 3
 
 
+COUNTED = clean_env(DDP_EXAMPLES_PROBE_COLLECTIVES=1)  # each rank prints the collectives it issued (sitecustomize.py)
+ACCUMULATE = ("--batch_size", "16", "--accumulation_steps", "4", "--snapshot_path", "small.pt")
+
+
+@pytest.fixture(scope="module")
+def accumulated_run(tmp_path_factory):
+    """The accumulation example, 2 epochs of 4 micro-batches of 16 per step, collectives counted: the no_sync count,
+    and the first half of the accumulation's resume."""
+    directory = tmp_path_factory.mktemp("accumulated")
+    result = run(accumulation_cmd("--total_epochs", "2", *ACCUMULATE), cwd=directory, env=COUNTED)
+    return directory, result
+
+
 @pytest.mark.slow
-def test_accumulation_then_resume_gives_the_big_batch_weights(big_batch_run, tmp_path):
+def test_accumulation_then_resume_gives_the_big_batch_weights(big_batch_run, accumulated_run, tmp_path):
     """4 micro-batches of 16, stopped after 2 epochs and resumed for the 3rd, end where one batch of 64 per step
     does: wrong loss scaling, a premature step, or a resume that loses the momentum or the shuffle move the
     weights far beyond this tolerance."""
-    _, big = big_batch_run
-    accumulate = ("--batch_size", "16", "--accumulation_steps", "4", "--snapshot_path", "small.pt")
-    first = run(accumulation_cmd("--total_epochs", "2", *accumulate), cwd=tmp_path)
+    _, big, _ = big_batch_run
+    folder, first = accumulated_run
     assert "32 steps per epoch of 4 x 16 samples per rank" in first.stdout
-    resumed = run(accumulation_cmd("--total_epochs", "3", *accumulate), cwd=tmp_path)
+    shutil.copy(folder / "small.pt", tmp_path / "small.pt")  # the fixture's own stays as it ended
+    resumed = run(accumulation_cmd("--total_epochs", "3", *ACCUMULATE), cwd=tmp_path)
     assert "Resuming from small.pt at epoch 2" in resumed.stdout
     assert [line.epoch for line in epoch_lines(resumed.stdout)] == [2]
     small = load_snapshot(tmp_path / "small.pt")
@@ -74,24 +88,21 @@ def test_accumulation_then_resume_gives_the_big_batch_weights(big_batch_run, tmp
     assert torch.allclose(momentum, big["optimizer"]["state"][0]["momentum_buffer"], rtol=1e-4, atol=1e-6)
 
 
-def test_no_sync_all_reduces_once_per_optimizer_step(tmp_path):
+def test_no_sync_all_reduces_once_per_optimizer_step(accumulated_run, tmp_path):
     """Averaging is linear, so all-reducing every micro-batch gives the same weights as no_sync: only a count of
-    the collectives tells them apart. One epoch of 128 micro-batches per rank, as 32 optimizer steps of 4 and as
-    128 steps of 1; each rank's process group counts what it issued (tests/support/sitecustomize.py). All else is
-    the same both ways, so the counts differ by one all-reduce per extra step, 96; without no_sync they would be
-    equal."""
-    env = clean_env(DDP_EXAMPLES_PROBE_COLLECTIVES=1)
-
-    def issued(*args):
-        snapshot = f"batch{args[1]}-steps{args[3]}.pt"
-        result = run(accumulation_cmd("--total_epochs", "1", "--snapshot_path", snapshot, *args), cwd=tmp_path, env=env)
+    the collectives tells them apart. Two epochs of 128 micro-batches per rank, as 32 optimizer steps of 4 an epoch
+    and as 128 steps of 1; each rank's process group counts what it issued (tests/support/sitecustomize.py). All
+    else is the same both ways, so the counts differ by one all-reduce per extra step, 2 x 96; without no_sync they
+    would be equal."""
+    def issued(result):
         counts = collectives_issued(result.stderr)
         assert len(counts) == 2 and len(set(counts.values())) == 1, result.stderr[-2000:]
         return counts[0]
 
-    accumulated = issued("--batch_size", "16", "--accumulation_steps", "4")  # 32 steps, 128 micro-batches
-    small_steps = issued("--batch_size", "16", "--accumulation_steps", "1")  # 128 steps, 128 micro-batches
-    assert small_steps - accumulated == 128 - 32, "with no_sync, micro-batches within a step must not all-reduce"
+    accumulated = issued(accumulated_run[1])  # 2 x 32 steps, 2 x 128 micro-batches
+    small_steps = issued(run(accumulation_cmd("--total_epochs", "2", "--batch_size", "16", "--accumulation_steps", "1",
+                                              "--snapshot_path", "steps1.pt"), cwd=tmp_path, env=COUNTED))
+    assert small_steps - accumulated == 2 * (128 - 32), "with no_sync, micro-batches within a step must not all-reduce"
 
 
 def test_amp_trains_in_bf16_on_cpu(big_batch_run, tmp_path):
@@ -106,14 +117,16 @@ def test_amp_trains_in_bf16_on_cpu(big_batch_run, tmp_path):
         assert a.loss != f.loss and abs(a.loss - f.loss) < 0.05 * f.loss, (amp, fp32)
 
 
-@pytest.mark.slow  # two launches; test_amp_trains_in_bf16_on_cpu keeps autocast in the developer loop
-def test_amp_resumes_a_snapshot_of_the_base(tmp_path):
-    """The base's snapshot holds no scaler state: mixed_precision.py goes on from it with a fresh scaler."""
-    run(torchrun_ddp_cmd("--total_epochs", "1", "--snapshot_path", "base.pt"), cwd=tmp_path)
-    result = run(torchrun_ddp_cmd("--total_epochs", "2", "--snapshot_path", "base.pt",
+@pytest.mark.slow  # a second launch of mixed_precision.py; test_amp_trains_in_bf16_on_cpu keeps autocast in the loop
+def test_amp_resumes_a_snapshot_of_the_base(big_batch_run, tmp_path):
+    """The base's snapshot (the reference run's, copied) holds no scaler state: mixed_precision.py goes on from it
+    with a fresh scaler."""
+    shutil.copy(big_batch_run[2] / "torchrun_ddp.pt", tmp_path / "base.pt")
+    assert "scaler" not in torch.load(tmp_path / "base.pt", weights_only=False)
+    result = run(torchrun_ddp_cmd("--total_epochs", "4", "--batch_size", "64", "--snapshot_path", "base.pt",
                                   script="by_feature/mixed_precision.py"), cwd=tmp_path)
-    assert "Resuming from base.pt at epoch 1" in result.stdout, result.stdout[-3000:]
-    assert [line.epoch for line in epoch_lines(result.stdout)] == [1], result.stdout[-3000:]
+    assert "Resuming from base.pt at epoch 3" in result.stdout, result.stdout[-3000:]
+    assert [line.epoch for line in epoch_lines(result.stdout)] == [3], result.stdout[-3000:]
     assert "scaler" in torch.load(tmp_path / "base.pt", weights_only=False), "the next save holds the scaler's state"
 
 
@@ -121,10 +134,19 @@ def ddp_py(*args):
     return python_cmd("ddp.py", "--backend", "gloo", "--world_size", "2", *SMALL, *args)
 
 
-def test_ddp_py_matches_normal_training(tmp_path):
-    port = free_port()
-    (tmp_path / ".env").write_text(f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={port}\n")
-    out = run(ddp_py("--total_epochs", "3", "--batch_size", "64", "--weights_dir", "weights"), cwd=tmp_path).stdout
+@pytest.fixture(scope="module")
+def ddp_py_run(tmp_path_factory):
+    """ddp.py, 3 epochs, its rendezvous from a .env file and the environment: (folder, stdout, port). The .env's
+    address would stop the run (it does not resolve); the environment's wins."""
+    folder, port = tmp_path_factory.mktemp("ddp_py"), free_port()
+    (folder / ".env").write_text(f"MASTER_ADDR=no-such-host.invalid\nMASTER_PORT={port}\n")
+    out = run(ddp_py("--total_epochs", "3", "--batch_size", "64", "--weights_dir", "weights"), cwd=folder,
+              env=clean_env(MASTER_ADDR="127.0.0.1")).stdout
+    return folder, out, port
+
+
+def test_ddp_py_matches_normal_training(ddp_py_run):
+    tmp_path, out, port = ddp_py_run
     assert f"MASTER_PORT={port} (from {tmp_path / '.env'})" in out
     normal, ddp = epoch_lines(out, "normal"), epoch_lines(out, "DDP")
     assert_learned(normal, 3)
@@ -151,22 +173,22 @@ def test_ddp_py_without_env_file_uses_defaults(tmp_path):
     assert summary(out).epochs == 1
 
 
-def test_environment_wins_over_env_file(tmp_path):
-    (tmp_path / ".env").write_text("MASTER_ADDR=127.0.0.1\nMASTER_PORT=abc\n")  # would stop the run
-    port = free_port()
-    out = run(ddp_py("--total_epochs", "1", "--batch_size", "256"), cwd=tmp_path,
-              env=clean_env(MASTER_PORT=port)).stdout
-    assert f"MASTER_PORT={port} (from the environment)" in out
-    assert f"MASTER_ADDR=127.0.0.1 (from {tmp_path / '.env'})" in out
-    assert summary(out).epochs == 1
+def test_environment_wins_over_env_file(ddp_py_run):
+    """The .env's MASTER_ADDR does not resolve (alone it stops the run: test_ddp_py_bad_address_or_port_in_env_file);
+    the environment's is used, and the .env's MASTER_PORT, which the environment leaves unset."""
+    tmp_path, out, port = ddp_py_run
+    assert "MASTER_ADDR=127.0.0.1 (from the environment)" in out
+    assert f"MASTER_PORT={port} (from {tmp_path / '.env'})" in out
+    assert summary(out).epochs == 3
 
 
-@pytest.mark.parametrize("port, expected", [
-    ("abc", "MASTER_PORT='abc' from {env}: expected a port number"),
-    ("70000", "MASTER_PORT='70000' from {env}: expected a port number, 1 to 65535"),
+@pytest.mark.parametrize("address, port, expected", [
+    ("127.0.0.1", "abc", "MASTER_PORT='abc' from {env}: expected a port number"),
+    ("127.0.0.1", "70000", "MASTER_PORT='70000' from {env}: expected a port number, 1 to 65535"),
+    ("no-such-host.invalid", "29500", "MASTER_ADDR='no-such-host.invalid' (from {env}) does not resolve"),
 ])
-def test_ddp_py_bad_port_in_env_file(tmp_path, port, expected):
-    (tmp_path / ".env").write_text(f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={port}\n")
+def test_ddp_py_bad_address_or_port_in_env_file(tmp_path, address, port, expected):
+    (tmp_path / ".env").write_text(f"MASTER_ADDR={address}\nMASTER_PORT={port}\n")
     result = run(ddp_py(), cwd=tmp_path, check=False, timeout=60)
     assert_one_line_error(result, expected.format(env=tmp_path / ".env"), code=1)
     assert len(result.stderr.strip().splitlines()) == 1
@@ -221,17 +243,21 @@ def test_ddp_py_nccl_without_gpus_says_use_gloo(tmp_path):
 
 @pytest.mark.parametrize("script", ["ddp.py", "torchrun_ddp.py"])
 def test_more_ranks_on_a_node_than_gpus_is_refused(tmp_path, script):
-    """torch is made to report 2 GPUs and NCCL (the check runs before any GPU is touched), also on a machine with
-    GPUs: the tests' launches have those hidden."""
-    env, ranks = clean_env(DDP_EXAMPLES_PROBE_FAKE_GPUS=2), 3
+    """torch is made to report 1 GPU and NCCL (the check runs before any GPU is touched), also on a machine with
+    GPUs: the tests' launches have those hidden. 2 ranks on it: one too many, as 9 on 8 GPUs."""
+    env, ranks = clean_env(DDP_EXAMPLES_PROBE_FAKE_GPUS=1), 2
     if script == "ddp.py":
         result = run(python_cmd("ddp.py", "--backend", "nccl", "--world_size", ranks), cwd=tmp_path, env=env,
                      check=False, timeout=60)
         assert_one_line_error(result, f"{ranks} ranks on this node but only {ranks - 1} cuda device(s)")
     else:  # torchrun_ddp.py trains them all on the CPU (a Mac has one mps device), where NCCL cannot run
-        torchrun = [BIN / "torchrun", "--standalone", f"--nproc_per_node={ranks}", REPO / script, *SMALL]
-        result = run([*torchrun, "--backend", "nccl"], cwd=tmp_path, env=env, check=False, timeout=90)
+        # The refusal comes before the process group: rank 0 of 2 alone, in the environment torchrun gives it, says
+        # what every rank would (a rank that went on would wait for the others until the timeout). The training
+        # below is under torchrun itself.
+        result = run(python_cmd(script, *SMALL, "--backend", "nccl"), cwd=tmp_path, check=False, timeout=90,
+                     env=rank_0_env(ranks, DDP_EXAMPLES_PROBE_FAKE_GPUS=1))
         assert_one_line_error(result, "--backend nccl needs a CUDA GPU for each process", "gloo on the CPU", code=1)
+        torchrun = [BIN / "torchrun", "--standalone", f"--nproc_per_node={ranks}", REPO / script, *SMALL]
         out = run([*torchrun, "--total_epochs", "1"], cwd=tmp_path, env=env, timeout=120).stdout
         assert f"{ranks} ranks | " in out and "| device cpu" in out, out[-2000:]
         assert (summary(out).world_size, summary(out).backend) == (ranks, "gloo")
@@ -241,13 +267,15 @@ def test_more_ranks_on_a_node_than_gpus_is_refused(tmp_path, script):
     ("garbage", "cannot read the snapshot torchrun_ddp.pt (UnpicklingError: truncated, or not a snapshot)"),
     ("other model", "the snapshot torchrun_ddp.pt is of another model or optimizer (Error(s) in loading state_dict"),
 ])
-def test_a_snapshot_that_does_not_fit_is_named_in_one_line_and_left_alone(tmp_path, content, expected):
+def test_a_snapshot_that_does_not_fit_is_named_in_one_line_and_left_alone(request, tmp_path, content, expected):
     path = tmp_path / "torchrun_ddp.pt"
     if content == "garbage":
         path.write_bytes(b"not a snapshot")
-    else:  # a snapshot of the base with 30 features, resumed with 20
-        run(torchrun_ddp_cmd("--total_epochs", "1", "--input_size", "30"), cwd=tmp_path)
+        features = SMALL
+    else:  # a snapshot of the base with 20 features (the reference run's, copied), resumed with 30
+        shutil.copy(request.getfixturevalue("big_batch_run")[2] / "torchrun_ddp.pt", path)
+        features = ("--input_size", "30")  # after SMALL's: argparse takes the last
     before = path.read_bytes()
-    result = run(torchrun_ddp_cmd("--total_epochs", "2"), cwd=tmp_path, check=False, timeout=90)
+    result = run(torchrun_ddp_cmd("--total_epochs", "4", *features), cwd=tmp_path, check=False, timeout=90)
     assert_one_line_error(result, expected, "move it away or pass another --snapshot_path", code=1)
     assert path.read_bytes() == before and not epoch_lines(result.stdout)

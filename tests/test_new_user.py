@@ -11,7 +11,8 @@ import time
 import pytest
 
 from conftest import (BIN, MNIST, REPO, assert_one_line_error, clean_env, epoch_lines, free_port, mpi_env, python_cmd,
-                      run, torchrun_cmd)
+                      rank_0_env, run, torchrun_cmd)
+from support.launching import LAUNCHER_VARIABLES
 
 # Every script that writes a snapshot, checkpoints or an output directory, with the flag that says where, under
 # the launcher it is made for.
@@ -68,7 +69,10 @@ def test_proc_is_found_before_training(tmp_path, script):
 @pytest.mark.slow
 def test_a_read_only_mount_is_found_before_training(tmp_path):
     """A read-only filesystem, mounted in a mount namespace of the test's own (the host's mounts stay as they
-    were): every writer stops at once, naming it. One namespace, all scripts, so it costs one mount."""
+    were): every writer stops at once, naming it. One namespace, all scripts, so it costs one mount. The torchrun
+    scripts run as rank 0 of 2 alone, in the environment torchrun gives it: the check is rank 0's, before the process
+    group (one that waited for the group would wait for rank 1 until the launch's timeout), and the tests above
+    refuse each of them under torchrun itself (2 ranks and the agent: 7 CPU-s a script more)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("mount namespaces need root and unshare (util-linux)")
     read_only = tmp_path / "read-only"
@@ -76,9 +80,12 @@ def test_a_read_only_mount_is_found_before_training(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     lines = []
+    rank_0 = [f"{name}={value}" for name, value in rank_0_env(2).items() if name in LAUNCHER_VARIABLES]
     for script, (command, flag) in WRITERS.items():
-        argv = command(script, "--total_epochs" if script != "train.py" else "--num_train_epochs", "2", flag,
-                       read_only / "out", *EXTRA.get(script, ()))
+        argv = python_cmd(script, "--total_epochs" if script != "train.py" else "--num_train_epochs", "2", flag,
+                          read_only / "out", *EXTRA.get(script, ()))
+        if command is torchrun_cmd:
+            argv = ["env", *rank_0, *argv]
         out = results / script.replace("/", "_")
         lines.append(" ".join(f"'{a}'" for a in argv) + f" > '{out}.out' 2> '{out}.err'; echo $? > '{out}.rc'")
     shell = f"mount -t tmpfs -o ro tmpfs '{read_only}' && " + " ; ".join(lines)

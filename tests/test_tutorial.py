@@ -1,6 +1,7 @@
 """The DDP tutorial series (singlegpu -> multigpu -> multigpu_torchrun -> multinode) under its real launchers."""
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -15,9 +16,17 @@ def epochs(output):
     return [line.epoch for line in epoch_lines(output)]
 
 
-def test_singlegpu_learns_and_writes_a_complete_snapshot(tmp_path):
+@pytest.fixture(scope="module")
+def singlegpu_six_epochs(tmp_path_factory):
+    """Step 1, 6 epochs, a snapshot every 3: (folder, stdout). Also the uninterrupted run the resume is held to."""
+    folder = tmp_path_factory.mktemp("singlegpu")
     out = run(python_cmd("singlegpu.py", "--total_epochs", "6", "--save_every", "3", "--batch_size", "64"),
-              cwd=tmp_path).stdout
+              cwd=folder).stdout
+    return folder, out
+
+
+def test_singlegpu_learns_and_writes_a_complete_snapshot(singlegpu_six_epochs):
+    tmp_path, out = singlegpu_six_epochs
     loss = epoch_losses(out)
     assert len(loss) == 6
     assert loss[-1] < 0.5 * loss[0], f"loss did not fall: {loss}"
@@ -31,19 +40,19 @@ def test_singlegpu_learns_and_writes_a_complete_snapshot(tmp_path):
 
 
 @pytest.mark.slow
-def test_singlegpu_positional_form_resumes_bitwise(tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    straight.mkdir(), stopped.mkdir()
-    run(python_cmd("singlegpu.py", "4", "2", "--batch_size", "64"), cwd=straight)
-    run(python_cmd("singlegpu.py", "2", "2", "--batch_size", "64"), cwd=stopped)
-    out = run(python_cmd("singlegpu.py", "4", "2", "--batch_size", "64"), cwd=stopped).stdout
-    assert "Resuming from singlegpu.pt at epoch 2" in out
-    assert epochs(out) == [2, 3], "resume must not repeat an epoch"
+def test_singlegpu_positional_form_resumes_bitwise(singlegpu_six_epochs, tmp_path):
+    """Stopped after 3 epochs and resumed to 6, in the positional form: the uninterrupted run is the shared one
+    (the same numbers as flags)."""
+    straight, stopped = singlegpu_six_epochs[0], tmp_path
+    run(python_cmd("singlegpu.py", "3", "3", "--batch_size", "64"), cwd=stopped)
+    out = run(python_cmd("singlegpu.py", "6", "3", "--batch_size", "64"), cwd=stopped).stdout
+    assert "Resuming from singlegpu.pt at epoch 3" in out
+    assert epochs(out) == [3, 4, 5], "resume must not repeat an epoch"
     assert_same_training_state(straight / "singlegpu.pt", stopped / "singlegpu.pt")
 
     finished = (stopped / "singlegpu.pt").read_bytes()
-    out = run(python_cmd("singlegpu.py", "4", "2", "--batch_size", "64"), cwd=stopped).stdout
-    assert "Nothing to do: singlegpu.pt already holds 4 epochs (--total_epochs 4)" in out
+    out = run(python_cmd("singlegpu.py", "6", "3", "--batch_size", "64"), cwd=stopped).stdout
+    assert "Nothing to do: singlegpu.pt already holds 6 epochs (--total_epochs 6)" in out
     assert (stopped / "singlegpu.pt").read_bytes() == finished
 
 
@@ -59,27 +68,39 @@ def test_multigpu_spawns_ranks_logs_once_and_learns(tmp_path):
     assert load_snapshot(tmp_path / "multigpu.pt")["epochs_run"] == 4
 
 
+TWO_RANKS = ("--save_every", "2", "--batch_size", "16")
+
+
+@pytest.fixture(scope="module")
+def two_ranks_two_epochs(tmp_path_factory):
+    """Step 3, 2 ranks, 2 epochs of batches of 16: (folder, stdout); its snapshot ddp.pt. The reference of one
+    process with batch 32, and the first half of the resume below."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", *TWO_RANKS, "--snapshot_path", "ddp.pt"),
+              cwd=folder).stdout
+    return folder, out
+
+
 @pytest.mark.slow
-def test_torchrun_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
+def test_torchrun_resume_is_bitwise_identical_to_an_uninterrupted_run(two_ranks_two_epochs, tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     straight.mkdir(), stopped.mkdir()
-    flags = ("--save_every", "2", "--batch_size", "16")
-    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "4", *flags), cwd=straight)
-    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", *flags), cwd=stopped)
-    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "4", *flags), cwd=stopped).stdout
+    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "4", *TWO_RANKS), cwd=straight)
+    # Stopped after 2 epochs: the shared run's snapshot, copied (the fixture's own stays as it ended).
+    shutil.copy(two_ranks_two_epochs[0] / "ddp.pt", stopped / "multigpu_torchrun.pt")
+    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "4", *TWO_RANKS), cwd=stopped).stdout
     assert "Resuming from multigpu_torchrun.pt at epoch 2" in out
     assert epochs(out) == [2, 3]
     assert_same_training_state(straight / "multigpu_torchrun.pt", stopped / "multigpu_torchrun.pt")
 
 
-def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(tmp_path):
-    two = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", "--batch_size", "16",
-                           "--snapshot_path", "ddp.pt"), cwd=tmp_path).stdout
+def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(two_ranks_two_epochs, tmp_path):
+    folder, two = two_ranks_two_epochs
     one = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", "--batch_size", "32",
                            "--snapshot_path", "single.pt", nproc=1), cwd=tmp_path).stdout
     # The printed loss is the mean over both ranks' batches, so it is the one-process loss, not rank 0's half.
     assert epoch_losses(two) == pytest.approx(epoch_losses(one), rel=1e-4) and len(epoch_losses(one)) == 2
-    ddp, single = load_snapshot(tmp_path / "ddp.pt")["model"], load_snapshot(tmp_path / "single.pt")["model"]
+    ddp, single = load_snapshot(folder / "ddp.pt")["model"], load_snapshot(tmp_path / "single.pt")["model"]
     torch.manual_seed(0)
     initial = MLP(input_size=20).state_dict()
     for name in ddp:
@@ -123,11 +144,12 @@ def test_step3_on_two_machines_stops_ranks_that_resume_at_different_epochs(tmp_p
     assert (saved[0] / "multigpu_torchrun.pt").read_bytes() == before
 
 
-def multinode_agents(cwd, port, *args):
-    """Two torchrun agents on 127.0.0.1, 2 processes each, forming one 4-rank job over the c10d rendezvous."""
-    agents = [start([BIN / "torchrun", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2", "--rdzv_id=test",
-                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", REPO / "multinode.py",
-                     "--snapshot_path", f"node{node}.pt", "--timeout", "60", *args], cwd) for node in (0, 1)]
+def multinode_agents(cwd, port, *args, nproc=2):
+    """Two torchrun agents on 127.0.0.1, `nproc` processes each, forming one job over the c10d rendezvous."""
+    agents = [start([BIN / "torchrun", "--nnodes=2", f"--node_rank={node}", f"--nproc_per_node={nproc}",
+                     "--rdzv_id=test", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                     REPO / "multinode.py", "--snapshot_path", f"node{node}.pt", "--timeout", "60", *args], cwd)
+              for node in (0, 1)]
     outputs = [finish(agent, 600) for agent in agents]  # a hang guard, not a speed bound
     return [agent.returncode for agent in agents], outputs
 
@@ -146,10 +168,11 @@ def test_multinode_two_agents_form_one_job_and_refuse_a_snapshot_of_another_run(
     # Node 1 gets a snapshot of another training run (a one-node run of its own): resuming from either would
     # lose the other (the next saves overwrite it), so every rank stops with the same line and both snapshots
     # stay as they were. (Snapshots of one run that differ, a node with an older one or none: test_elastic.py.)
+    # A process a node is enough for that: the check is between the nodes' snapshots.
     (tmp_path / "node1.pt").unlink()
     run(torchrun_cmd("multinode.py", "--total_epochs", "2", "--snapshot_path", "node1.pt", nproc=1), cwd=tmp_path)
     before = [(tmp_path / f"node{n}.pt").read_bytes() for n in (0, 1)]
-    codes, outputs = multinode_agents(tmp_path, free_port(), "--total_epochs", "6", "--save_every", "2")
+    codes, outputs = multinode_agents(tmp_path, free_port(), "--total_epochs", "6", "--save_every", "2", nproc=1)
     assert codes == [1, 1], outputs
     for out in outputs:
         errors = {line for line in out.splitlines() if line.startswith("error: ")}
@@ -195,17 +218,16 @@ def test_corrupt_snapshot_is_reported_and_kept(tmp_path):
     assert (tmp_path / "singlegpu.pt").read_bytes() == b"not a snapshot at all"
 
 
-def test_truncated_and_foreign_snapshots_are_named_as_such(tmp_path):
-    """A snapshot cut short (a copy interrupted, a full disk) and a file torch.save wrote that is no snapshot of
-    these scripts: each one line that names it, and the file is kept."""
-    run(python_cmd("singlegpu.py", "1", "1"), cwd=tmp_path)
-    whole = (tmp_path / "singlegpu.pt").read_bytes()
+def test_truncated_and_foreign_snapshots_are_named_as_such(singlegpu_six_epochs, tmp_path):
+    """A snapshot cut short (a copy interrupted, a full disk: half of the shared run's) and a file torch.save wrote
+    that is no snapshot of these scripts: each one line that names it, and the file is kept."""
+    whole = (singlegpu_six_epochs[0] / "singlegpu.pt").read_bytes()
     (tmp_path / "singlegpu.pt").write_bytes(whole[:len(whole) // 2])
-    result = run(python_cmd("singlegpu.py", "2", "1"), cwd=tmp_path, check=False, timeout=30)
+    result = run(python_cmd("singlegpu.py", "8", "1"), cwd=tmp_path, check=False, timeout=30)
     assert_one_line_error(result, "cannot read the snapshot singlegpu.pt (", "truncated, or not a snapshot", code=1)
     assert (tmp_path / "singlegpu.pt").read_bytes() == whole[:len(whole) // 2]
     torch.save({"weights": torch.zeros(3)}, tmp_path / "singlegpu.pt")
-    result = run(python_cmd("singlegpu.py", "2", "1"), cwd=tmp_path, check=False, timeout=30)
+    result = run(python_cmd("singlegpu.py", "8", "1"), cwd=tmp_path, check=False, timeout=30)
     assert_one_line_error(result, "the snapshot singlegpu.pt is of another model or optimizer ('model')", code=1)
     assert load_snapshot(tmp_path / "singlegpu.pt").keys() == {"weights"}
 

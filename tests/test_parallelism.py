@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from conftest import (BIN, REPO, assert_one_line_error, assert_said_by_rank_0, checkpoint_sums, clean_env,
-                      epoch_lines, finish, flip, python_cmd, rank_0_env, run, start, summary, torchrun_cmd)
+                      epoch_lines, finish, flip, python_cmd, run, start, summary, torchrun_cmd)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import Decoder, DecoderConfig, hf_name, read_text, text_splits
 
@@ -517,15 +517,21 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
     ]
     (tmp_path / "short.txt").write_text("tiny text\n")
     # The first case under torchrun, whose report of the failed ranks follows the line; the others as rank 0 of
-    # the launch, alone (the checks come before the process group, and every rank makes them alike).
-    jobs = [start(torchrun_cmd(script, *args, nproc=nproc) if i == 0 else python_cmd(script, *args), cwd=tmp_path,
-                  env=clean_env(**ENV) if i == 0 else rank_0_env(nproc, **ENV), merge_output=False)
-            for i, (script, args, nproc, _) in enumerate(cases)]
-    for i, (job, (script, args, _, fragment)) in enumerate(zip(jobs, cases)):
-        out, err = finish(job, 180)
-        result = subprocess.CompletedProcess(job.args, job.returncode, out, err)
+    # the launch, alone (the checks come before the process group, and every rank makes them alike), each its
+    # script's command line in a process forked from one that imported torch once (tests/support/rank_0_runs.py).
+    script, args, nproc, _ = cases[0]
+    job = start(torchrun_cmd(script, *args, nproc=nproc), cwd=tmp_path, env=clean_env(**ENV), merge_output=False)
+    ranks_0 = run(python_cmd(REPO / "tests" / "support" / "rank_0_runs.py", json.dumps(
+        [[script, args, nproc] for script, args, nproc, _ in cases[1:]])), cwd=tmp_path, env=clean_env(**ENV),
+        timeout=300)
+    out, err = finish(job, 180)
+    results = [subprocess.CompletedProcess(job.args, job.returncode, out, err)]
+    results += [subprocess.CompletedProcess(case[:2], *said) for case, said in zip(cases[1:],
+                                                                                   json.loads(ranks_0.stdout))]
+    assert len(results) == len(cases), ranks_0.stdout[-3000:]
+    for i, (result, (script, args, _, fragment)) in enumerate(zip(results, cases)):
         assert_one_line_error(result, f"{script}: error: {fragment}", code=1 if i == 0 else 2)  # torchrun exits 1
-        assert not epoch_lines(out), (script, args)
+        assert not epoch_lines(result.stdout), (script, args)
     assert [p.name for p in tmp_path.iterdir()] == ["short.txt"], "stopped before making the checkpoints' directory"
 
 

@@ -1,13 +1,14 @@
-"""Run example scripts as rank 0 of a launch, one forked process a command line, and print JSON
+"""Run example scripts' command lines, each in a process forked from this one, and print JSON
 [[exit code, stdout, stderr], ...] in their order.
 
-    python tests/support/rank_0_runs.py '[["nd_parallel.py", ["--cp", "3"], 2], ...]'
+    python tests/support/forked_runs.py '[["nd_parallel.py", ["--cp", "3"], 2], ["plan.py", ["--tp", "3"], null]]'
 
-For the checks a script makes before its process group (tests/test_parallelism.py's bad sizes): rank 0 alone says
-what the whole launch would (launching.rank_0_env). `python script args` costs an `import torch` each (seconds);
-here torch is imported once, and each case is a child forked from this process: the environment torchrun gives rank
-0 of its processes, the script run as __main__ (runpy) with its command line, its own stdout and stderr, and its
-exit as Python's would be (SystemExit's code, its message on stderr; a traceback and 1 for any other exception)."""
+`python script args` costs an `import torch` and torch.distributed's modules each (about 5 CPU-s); here they are
+imported once, and each command line runs in a child forked from this process: the script run as __main__ (runpy)
+with its arguments, in this process's folder, its own stdout and stderr, and its exit as Python's would be
+(SystemExit's code, its message on stderr; a traceback and 1 for any other exception). With a number of processes N,
+the child has the environment torchrun gives rank 0 of N (launching.rank_0_env: for the checks a script makes before
+its process group, which rank 0 alone says as the whole launch would); with null, this process's."""
 import json
 import os
 import runpy
@@ -30,9 +31,10 @@ def child(script, args, nproc, out, err):
     """In the forked process: never returns."""
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
-    env = rank_0_env(nproc)
-    os.environ.clear()
-    os.environ.update(env)
+    if nproc is not None:
+        env = rank_0_env(nproc)
+        os.environ.clear()
+        os.environ.update(env)
     sys.argv = [str(REPO / script), *args]
     code = 0
     try:

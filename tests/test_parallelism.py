@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from conftest import (BIN, REPO, assert_one_line_error, assert_said_by_rank_0, checkpoint_sums, clean_env,
-                      epoch_lines, finish, flip, python_cmd, rank_0_env, run, start, summary, torchrun_cmd)
+                      epoch_lines, finish, flip, python_cmd, run, start, summary, torchrun_cmd)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import Decoder, DecoderConfig, hf_name, read_text, text_splits
 
@@ -133,14 +133,15 @@ def launch(script, *args, nproc, cwd, check=True):
 
 T, P, N = "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py"
 # (script, processes, flags, the layout it prints): T->T, T->P, P->P, P->T (pp 4 into TP), T->N, N->N, N->P, P->N,
-# N->T, each resume once; every pipeline schedule torch ships; FSDP, HSDP, FSDP x TP x PP on 8 processes.
+# N->T, each resume once; every pipeline schedule torch ships; FSDP x CP x TP (the ring), HSDP, FSDP x TP x PP on 8
+# processes.
 MATRIX = [
     (T, 2, (), "tp 2"),
     (T, 4, (), "tp 4"),
     (P, 4, ("--tp", "2", "--schedule", "interleaved_1f1b"), "pp 2 x tp 2"),
     (P, 4, ("--schedule", "gpipe"), "pp 4 x tp 1"),
     (T, 2, (), "tp 2"),
-    (N, 4, ("--dp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2"),
+    (N, 8, ("--dp", "2", "--cp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 2"),
     (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1"),
     (P, 2, ("--schedule", "zbv"), "pp 2 x tp 1"),
     (N, 8, ("--pp", "2", "--dp", "2", "--tp", "2", "--schedule", "interleaved_zb"),
@@ -321,13 +322,6 @@ def test_expert_parallel_dispatch_is_one_process_moe_forward_and_backward(parall
     assert len(routed) == 8 and sum(routed) == 2 * ep * 16 * 2, routed  # every token to 2 of 8 experts: dropless
 
 
-# nd_parallel.py with --cp, an epoch a launch, each resumed from the one before: FSDP x CP x TP on 8 processes (the
-# ring), CP 4 alone (all-gathered keys and values), a pipeline of CP 2 stages.
-CP_CHAIN = [(8, ("--dp", "2", "--cp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 2"),
-            (4, ("--cp", "4", "--cp_attention", "allgather"), "pp 1 x dp_replicate 1 x dp_shard 1 x cp 4 x tp 1"),
-            (4, ("--pp", "2", "--cp", "2"), "pp 2 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1")]
-
-
 CHECKER = REPO / "tests" / "support" / "contiguous_collectives.py"
 
 
@@ -336,21 +330,10 @@ def launch_checked(*args, nproc, cwd):
     return launch(CHECKER, REPO / N, *args, nproc=nproc, cwd=cwd)
 
 
-@pytest.fixture(scope="module")
-def cp_chain(tmp_path_factory):
-    """CP_CHAIN, each launch resumed from the one before; the all-gather's launch checks its collectives' tensors."""
-    directory, states = tmp_path_factory.mktemp("cp-chain"), tmp_path_factory.mktemp("cp-chain-states")
-    (directory / "text.txt").write_text(the_text())
-    found = []
-    for epoch, (nproc, flags, _) in enumerate(CP_CHAIN):
-        start_ = launch_checked if epoch == 1 else functools.partial(launch, N)
-        out = start_("--total_epochs", epoch + 1, *flags, *F64, nproc=nproc, cwd=directory)
-        found.append((out, full_state(newest(directory / "checkpoints"), states)))
-    return found
-
-
-def test_context_parallel_places_cp_inside_tp_and_gives_each_rank_an_early_and_a_late_chunk(cp_chain):
-    out = cp_chain[0][0]
+def test_context_parallel_places_cp_inside_tp_and_gives_each_rank_an_early_and_a_late_chunk(matrix):
+    """The matrix's FSDP 2 x CP 2 x TP 2 launch (the ring; its numbers are one process's in
+    test_each_script_resumes_each_ones_checkpoints_as_one_uninterrupted_process)."""
+    out = matrix_run(matrix, 5)[0]
     ranks = re.findall(r"^Rank (\d) \| pp 0 dp_replicate 0 dp_shard (\d) cp (\d) tp (\d) \| tokens (\d+)-(\d+) and "
                        r"(\d+)-(\d+) of 16 \| stage 0:", out, re.M)
     assert len(ranks) == 8, out[-3000:]
@@ -360,41 +343,28 @@ def test_context_parallel_places_cp_inside_tp_and_gives_each_rank_an_early_and_a
         assert tuple(map(int, tokens)) == chunks, ranks
 
 
-def test_a_run_resumed_across_cp_layouts_trains_as_one_uninterrupted_process(cp_chain, reference):
-    """FSDP 2 x CP 2 x TP 2 (ring) -> CP 4 (all-gather) -> PP 2 x CP 2 (ring), an epoch each: every epoch's loss
-    and every checkpoint's weights and first moment are one process's, within the tolerance."""
-    for epoch, (out, state) in enumerate(cp_chain):
-        nproc, _, mesh = CP_CHAIN[epoch]
-        assert f"Mesh {mesh} |" in out, (mesh, out[-3000:])
-        if epoch:
-            before, processes = CP_CHAIN[epoch - 1][2], CP_CHAIN[epoch - 1][0]
-            assert (f"Resuming from checkpoints/epoch_{epoch:06d} at epoch {epoch}, saved as {before} on {processes} "
-                    "process") in out, (mesh, out[-3000:])
-        assert_losses_match(out, reference, [epoch], mesh)
-        assert_matches_reference(state, reference, epoch + 1, mesh)
-
-
-# nd_parallel.py with --n_experts 4 (top 2), an epoch a launch, each resumed from the one before: FSDP x CP x EP,
-# then a pipeline of them on 8 processes (all-gathered keys and values), HSDP x EP, and FSDP with every expert on
-# every rank.
+# nd_parallel.py with --n_experts 4 (top 2), an epoch a launch, each resumed from the one before, cp and ep changing
+# each time: FSDP x CP x EP (the ring), then a pipeline of them on 8 processes (all-gathered keys and values), HSDP x
+# EP, and CP 4 alone (all-gathered) with every expert on every rank, FSDP2 sharding over its 4 cp ranks.
 MOE_CONFIG = DecoderConfig(dim=32, n_layers=4, n_heads=8, n_kv_heads=4, hidden=64, max_seq_len=16, n_experts=4)
 EP_CHAIN = [(4, ("--dp", "2", "--cp", "2", "--ep", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 | ep 2"),
             (8, ("--pp", "2", "--dp", "2", "--cp", "2", "--ep", "4", "--cp_attention", "allgather"),
              "pp 2 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 | ep 4"),
             (4, ("--dp", "4", "--dp_replicate", "2", "--ep", "2"),
              "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 | ep 2"),
-            (2, ("--dp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1")]
+            (4, ("--cp", "4", "--cp_attention", "allgather"), "pp 1 x dp_replicate 1 x dp_shard 1 x cp 4 x tp 1")]
+CHECKED = (0, 3)  # the launches of EP_CHAIN under CHECKER
 
 
 @pytest.fixture(scope="module")
 def ep_chain(tmp_path_factory):
-    """EP_CHAIN, each launch resumed from the one before; the first (the ring, the all-to-all) checks its
-    collectives' tensors."""
+    """EP_CHAIN, each launch resumed from the one before; the first (the ring, the all-to-all) and the last (the
+    all-gather at cp 4) check their collectives' tensors."""
     directory, states = tmp_path_factory.mktemp("ep-chain"), tmp_path_factory.mktemp("ep-chain-states")
     (directory / "text.txt").write_text(the_text())
     found = []
     for epoch, (nproc, flags, _) in enumerate(EP_CHAIN):
-        start_ = launch_checked if epoch == 0 else functools.partial(launch, N)
+        start_ = launch_checked if epoch in CHECKED else functools.partial(launch, N)
         out = start_("--total_epochs", epoch + 1, "--n_experts", "4", *flags, *F64, nproc=nproc, cwd=directory)
         found.append((out, full_state(newest(directory / "checkpoints"), states)))
     return found, newest(directory / "checkpoints")
@@ -431,13 +401,16 @@ def test_hf_checkpoint_refuses_a_mixture_of_experts(ep_chain, tmp_path):
     assert not (tmp_path / "llama").exists()
 
 
-def test_no_tensor_reaches_a_collective_non_contiguous(cp_chain, ep_chain):
+def test_no_tensor_reaches_a_collective_non_contiguous(ep_chain):
     """gloo sends a view's storage, not its elements, in scatter and in torch.distributed.nn's all_gather backward
-    (pytorch#192920): wrong values, no error. Two launches ran under CHECKER: the all-gathered attention at cp 4,
-    and the ring with the experts' all-to-all at dp 2 x cp 2 x ep 2, forward, backward, FSDP2 and DCP; every call
-    of every rank took contiguous tensors (else it stopped), and the checker did check (the counts)."""
-    for out, nproc in ((cp_chain[1][0], CP_CHAIN[1][0]), (ep_chain[0][0][0], EP_CHAIN[0][0])):
-        counts = dict(re.findall(r"^contiguity checked: rank (\d), (\d+) calls$", out, re.M))
+    (pytorch#192920): wrong values, no error. Two launches of the MoE chain ran under CHECKER: the ring with the
+    experts' all-to-all at dp 2 x cp 2 x ep 2, and the all-gathered attention at cp 4, forward, backward, FSDP2 and
+    DCP; every call of every rank took contiguous tensors (else it stopped), and the checker did check (the
+    counts)."""
+    for epoch in CHECKED:
+        out, nproc = ep_chain[0][epoch][0], EP_CHAIN[epoch][0]
+        # Not anchored to a line: the ranks share torchrun's stdout, and two lines can meet ("... 246 callscontig...").
+        counts = dict(re.findall(r"contiguity checked: rank (\d), (\d+) calls", out))
         assert sorted(counts) == [str(rank) for rank in range(nproc)], out[-3000:]
         # At least the attention's own: a gather or ring forward and its backward, each layer (4), each step (4).
         assert all(int(count) >= 2 * 4 * 4 for count in counts.values()), counts
@@ -517,15 +490,21 @@ def test_bad_sizes_are_one_line_before_any_work(tmp_path):
     ]
     (tmp_path / "short.txt").write_text("tiny text\n")
     # The first case under torchrun, whose report of the failed ranks follows the line; the others as rank 0 of
-    # the launch, alone (the checks come before the process group, and every rank makes them alike).
-    jobs = [start(torchrun_cmd(script, *args, nproc=nproc) if i == 0 else python_cmd(script, *args), cwd=tmp_path,
-                  env=clean_env(**ENV) if i == 0 else rank_0_env(nproc, **ENV), merge_output=False)
-            for i, (script, args, nproc, _) in enumerate(cases)]
-    for i, (job, (script, args, _, fragment)) in enumerate(zip(jobs, cases)):
-        out, err = finish(job, 180)
-        result = subprocess.CompletedProcess(job.args, job.returncode, out, err)
+    # the launch, alone (the checks come before the process group, and every rank makes them alike), each its
+    # script's command line in a process forked from one that imported torch once (tests/support/forked_runs.py).
+    script, args, nproc, _ = cases[0]
+    job = start(torchrun_cmd(script, *args, nproc=nproc), cwd=tmp_path, env=clean_env(**ENV), merge_output=False)
+    ranks_0 = run(python_cmd(REPO / "tests" / "support" / "forked_runs.py", json.dumps(
+        [[script, args, nproc] for script, args, nproc, _ in cases[1:]])), cwd=tmp_path, env=clean_env(**ENV),
+        timeout=300)
+    out, err = finish(job, 180)
+    results = [subprocess.CompletedProcess(job.args, job.returncode, out, err)]
+    results += [subprocess.CompletedProcess(case[:2], *said) for case, said in zip(cases[1:],
+                                                                                   json.loads(ranks_0.stdout))]
+    assert len(results) == len(cases), ranks_0.stdout[-3000:]
+    for i, (result, (script, args, _, fragment)) in enumerate(zip(results, cases)):
         assert_one_line_error(result, f"{script}: error: {fragment}", code=1 if i == 0 else 2)  # torchrun exits 1
-        assert not epoch_lines(out), (script, args)
+        assert not epoch_lines(result.stdout), (script, args)
     assert [p.name for p in tmp_path.iterdir()] == ["short.txt"], "stopped before making the checkpoints' directory"
 
 

@@ -33,6 +33,18 @@ print(json.dumps(found))
 """
 
 
+def plan_runs(*commands):
+    """plan.py's command lines, each in a process forked from one that imported torch once
+    (tests/support/forked_runs.py), in this repository's folder: a CompletedProcess each."""
+    cases = [["plan.py", command, None] for command in commands]
+    done = subprocess.run([sys.executable, REPO / "tests" / "support" / "forked_runs.py", json.dumps(cases)],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert len(results) == len(commands), done.stdout[-3000:]
+    return [subprocess.CompletedProcess(["plan.py", *command], *result) for command, result in zip(commands, results)]
+
+
 @pytest.fixture(scope="module")
 def planned():
     """The planner's bytes a step of each layout's traced ranks, gloo's count: one process traces them all."""
@@ -92,16 +104,24 @@ def test_plan_matches_real_runs(planned, tmp_path):
     compare(planned, results)
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("flags, says", [
+BAD_LAYOUTS = [
     ("--world_size 6 --tp 4", "--dp_replicate 1 x --tp 4 x --pp 1 = 4 does not divide --world_size 6"),
     ("--world_size 16 --tp 16", "tp 16 does not divide --n_heads (4)"),
     ("--world_size 8 --pp 8", "8 stages (--pp 8, schedule 1f1b) are more than the 4 layers"),
     ("--world_size 8192 --model llama3-70b --tp 16", "tp 16 does not divide --n_kv_heads (8)"),
-])
-def test_bad_layout_one_line(flags, says):
-    done = subprocess.run([sys.executable, "plan.py", *flags.split()], capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_layouts():
+    """plan.py on each of BAD_LAYOUTS: {flags: CompletedProcess}."""
+    return dict(zip((flags for flags, _ in BAD_LAYOUTS), plan_runs(*(flags.split() for flags, _ in BAD_LAYOUTS))))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, says", BAD_LAYOUTS)
+def test_bad_layout_one_line(bad_layouts, flags, says):
+    done = bad_layouts[flags]
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
 
@@ -109,15 +129,15 @@ def test_bad_layout_one_line(flags, says):
 def test_plan_of_fewer_microbatches_is_exact():
     """1F1B traced over its first warmup + 1 micro-batches, the rest added as copies of the last: the same bytes,
     FLOPs and peak as tracing all 8, on the first stage and the last."""
-    for rank in (0, 4):
+    runs = plan_runs(*([*MODEL.split(), "--world_size", "8", "--dp_shard", "2", "--tp", "2", "--pp", "2",
+                        "--microbatches", "8", "--rank", str(rank), *every]
+                       for rank in (0, 4) for every in ([], ["--every_microbatch"])))
+    for rank, shortened, every in zip((0, 4), runs[0::2], runs[1::2]):
         said = []
-        for every in ([], ["--every_microbatch"]):
-            done = subprocess.run([sys.executable, "plan.py", *MODEL.split(), "--world_size", "8", "--dp_shard", "2",
-                                   "--tp", "2", "--pp", "2", "--microbatches", "8", "--rank", str(rank), *every],
-                                  capture_output=True, text=True, timeout=300, cwd=REPO)
+        for done in (shortened, every):
             assert done.returncode == 0, done.stderr[-2000:]
             said.append([line for line in done.stdout.splitlines() if not line.startswith("Method:")])
-        assert said[0] == said[1]
+        assert said[0] == said[1], rank
         assert any(line.startswith("Peak memory:") for line in said[0])
 
 
@@ -146,10 +166,10 @@ def test_dualpipev_traces_as_zbv_sends():
     """DualPipeV runs a forward and a backward as one action (OVERLAP_F_B): traced action by action, a step of its
     rank 0 sends and holds what ZBV's does (the same V of stages, the same micro-batches), in another order."""
     said = {}
-    for schedule in ("zbv", "dualpipev"):
-        done = subprocess.run([sys.executable, "plan.py", *MODEL.split(), "--world_size", "4", "--dp_shard", "2",
-                               "--pp", "2", "--microbatches", "8", "--schedule", schedule], capture_output=True,
-                              text=True, timeout=300, cwd=REPO)
+    schedules = ("zbv", "dualpipev")
+    for schedule, done in zip(schedules, plan_runs(*([*MODEL.split(), "--world_size", "4", "--dp_shard", "2", "--pp",
+                                                      "2", "--microbatches", "8", "--schedule", schedule]
+                                                     for schedule in schedules))):
         assert done.returncode == 0, done.stderr[-2000:]
         said[schedule] = [line for line in done.stdout.splitlines() if line.startswith(("Holds:", "  ", "FLOPs:"))]
     assert said["zbv"] == said["dualpipev"] and len(said["zbv"]) >= 5, said

@@ -82,21 +82,23 @@ def test_torchrun_restarts_killed_workers_and_ends_bitwise_equal(tmp_path, unint
     assert_same_training_state(uninterrupted, snapshot)
 
 
-def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path):
-    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", *FLAGS), cwd=tmp_path)
+def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path, uninterrupted):
+    """From a copy of the uninterrupted run's snapshot (epoch 8), one epoch more."""
     path = tmp_path / "multigpu_torchrun.pt"
+    path.write_bytes(uninterrupted.read_bytes())
     before = path.read_bytes()
+    more = str(int(EPOCHS) + 1)
     # A real SIGKILL in the middle of the script's own save: torch.save writes part of the file, then rank 0 dies.
     killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", PROGRAMS / "dying_save.py",
-                  REPO / "multigpu_torchrun.py", "--total_epochs", "3", *FLAGS], cwd=tmp_path, check=False)
+                  REPO / "multigpu_torchrun.py", "--total_epochs", more, *FLAGS], cwd=tmp_path, check=False)
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in killed.stderr, killed.stderr[-3000:]
-    assert "Resuming from multigpu_torchrun.pt at epoch 2" in killed.stdout
+    assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in killed.stdout
     assert path.read_bytes() == before, "the old snapshot must be untouched"
     assert (tmp_path / "multigpu_torchrun.pt.tmp").read_bytes() == b"the first half of a snapshot"
 
-    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "3", *FLAGS), cwd=tmp_path).stdout
-    assert "Resuming from multigpu_torchrun.pt at epoch 2" in out
-    assert load_snapshot(path)["epochs_run"] == 3
+    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", more, *FLAGS), cwd=tmp_path).stdout
+    assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in out
+    assert load_snapshot(path)["epochs_run"] == int(more)
     assert not (tmp_path / "multigpu_torchrun.pt.tmp").exists(), "the next save replaces what a dead writer left"
 
 

@@ -186,7 +186,10 @@ def test_progress_within_the_epoch_and_the_checkpoints_it_writes(reference):
                               re.M)
         assert [int(step) for step in progress] == list(range(12, 128, 12)), out
         saved = re.findall(rf"^Epoch {epoch} \| step (\d+)/128 \| Snapshot saved at step_checkpoints.pt$", out, re.M)
-        assert [int(step) for step in saved] == [20, 40, 60, 80, 100, 120]
+        # Every EVERY steps of the run: in epoch 0 at steps 20 to 120, in epoch 1 at 12 (the run's step 140) to 112.
+        assert [int(step) for step in saved] == [step for step in range(1, 129) if (128 * epoch + step) % EVERY == 0]
+    assert re.findall(r"^Epoch 0 \| step (\d+)/128 \| Snapshot saved", out, re.M) == ["20", "40", "60", "80", "100",
+                                                                                       "120"]
     assert summary(out).steps == 256
 
 

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from conftest import (BIN, PROGRAMS, REPO, assert_bitwise_equal, assert_one_line_error, assert_said_by_rank_0,
                       checkpoint_sums, clean_env, collectives_issued, epoch_batches, epoch_lines, finish, flip,
-                      free_port, run, start, stopped_worker, summary, torchrun_cmd, torchrun_worker)
+                      free_port, python_cmd, rank_0_env, run, start, stopped_worker, summary, torchrun_cmd,
+                      torchrun_worker)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import read_text
 from models_and_data import BlockMLP
@@ -187,18 +188,6 @@ def test_a_sigkill_during_an_async_save_leaves_the_previous_checkpoint_and_two_n
                          full_state(checkpoints / "epoch_000004", tmp_path), "resumed from the killed run")
 
 
-def test_the_process_group_is_freed_even_when_the_async_save_thread_lets_go_late(tmp_path):
-    """DCP's save thread drops the save's arguments only after its future is done; fsdp.py waits for that thread
-    before destroy_process_group, else the groups outlive it (the probe of tests/support fails the launch).
-    Seen once in four suite runs; made certain here by holding the thread back a second."""
-    out = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", PROGRAMS / "slow_to_let_go.py",
-               REPO / "fsdp.py", "--total_epochs", "2", *FLAGS, "--async_save"], cwd=tmp_path).stdout
-    assert summary(out).epochs == 2
-    assert sorted(p.name for p in (tmp_path / "fsdp_checkpoints").iterdir()) == ["epoch_000002"]
-    checkpoint = tmp_path / "fsdp_checkpoints" / "epoch_000002"  # summed in the save thread
-    assert json.loads((checkpoint / checkpoint_dir.MARKER).read_text())["files"] == checkpoint_sums(checkpoint)
-
-
 def test_amp_computes_in_bf16_and_keeps_fp32_weights(uninterrupted, tmp_path):
     """One rank with twice the batch: the same global batches as the fp32 run of two, so only rounding differs."""
     _, fp32_out = uninterrupted
@@ -235,13 +224,17 @@ LM = ("--dim", "32", "--n_layers", "2", "--n_heads", "4", "--n_kv_heads", "2", "
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: this process saves alone
 def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_before_any_step(uninterrupted, tmp_path):
-    """Each case in a folder of its own, all launched side by side at 2 ranks. In a copy of the uninterrupted run's
+    """Each case in a folder of its own, all launched side by side. In a copy of the uninterrupted run's
     checkpoints: 400 bytes flipped in rank 1's shard, the marker cut short, a shard missing, another global batch
     (2 x 128, the checkpoint's 2 x 256), tensor_parallel.py on fsdp.py's checkpoints, and --skip_damaged where no
     checkpoint checks out. Written here: the model narrower (a marker without sums, as an older fsdp_checkpoint.py
     wrote it), and the optimizer's state flattened as steps 6 to 8 save theirs (the same tensors, the settings under
     other keys, which DCP would call a damaged checkpoint's missing key). And a --snapshot_path that is a file. Each
-    stops with its line, and leaves the checkpoints as they were (--skip_damaged: the damaged one renamed)."""
+    stops with its line, and leaves the checkpoints as they were (--skip_damaged: the damaged one renamed).
+    The cases whose files every rank sums a share of (flipped, missing, none_whole) run at 2 ranks under torchrun,
+    and prove that rank 1 stays silent while rank 0 says the line. The cases rank 0 decides alone, from a marker it
+    reads or from the model every rank builds alike, run at 1 rank (python with the environment torchrun gives it,
+    the same stop()); the file case stops in rank 0 before its process group (rank 0 of 2, alone)."""
     directory, _ = uninterrupted
     newest = "fsdp_checkpoints/epoch_000004"
 
@@ -262,31 +255,40 @@ def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_befo
     write_checkpoint(tmp_path / "flattened" / "fsdp_checkpoints" / "epoch_000002", flatten=True)
     shutil.rmtree(checkpoints("none_whole") / "epoch_000002")
     flip(tmp_path / "none_whole" / newest / ".metadata", count=1)
-    cases = [  # folder, script, flags, what the line says
-        ("flipped", "fsdp.py", FLAGS, [f"checkpoint {newest} is damaged: __1_0.distcp does not match its sum (CRC-32",
-                                       "pass --skip_damaged to set it aside and resume from the newest checkpoint"]),
-        ("truncated", "fsdp.py", FLAGS, [f"checkpoint {newest} is damaged: its complete.json cannot be read "
-                                         "(JSONDecodeError: "]),
-        ("missing", "fsdp.py", FLAGS, [f"checkpoint {newest} is damaged: __0_0.distcp is missing; pass "
-                                       "--skip_damaged"]),
-        ("batch", "fsdp.py", ("--save_every", "2", "--batch_size", "128"),
+    cases = [  # folder, script, flags, ranks (0: rank 0 of 2 alone), what the line says
+        ("flipped", "fsdp.py", FLAGS, 2, [f"checkpoint {newest} is damaged: __1_0.distcp does not match its sum "
+                                          "(CRC-32", "pass --skip_damaged to set it aside and resume from the newest "
+                                          "checkpoint"]),
+        ("truncated", "fsdp.py", FLAGS, 1, [f"checkpoint {newest} is damaged: its complete.json cannot be read "
+                                            "(JSONDecodeError: "]),
+        ("missing", "fsdp.py", FLAGS, 2, [f"checkpoint {newest} is damaged: __0_0.distcp is missing; pass "
+                                          "--skip_damaged"]),
+        # 1 rank of 256: the global batch that 2 ranks of 128 make.
+        ("batch", "fsdp.py", ("--save_every", "2", "--batch_size", "256"), 1,
          [f"checkpoint {newest} was made with a global batch of 512, here 256: pass --global_batch_size 512"]),
-        ("file", "fsdp.py", FLAGS, ["--snapshot_path fsdp_checkpoints is a file, not a folder"]),
-        ("decoder", "tensor_parallel.py", (*LM, "--snapshot_path", "fsdp_checkpoints"),
+        ("file", "fsdp.py", FLAGS, 0, ["--snapshot_path fsdp_checkpoints is a file, not a folder"]),
+        ("decoder", "tensor_parallel.py", (*LM, "--snapshot_path", "fsdp_checkpoints"), 1,
          [f"checkpoint {newest} holds another model (BlockMLP, saved by fsdp.py); this script trains a Decoder: pass "
           "another --snapshot_path"]),
-        ("none_whole", "fsdp.py", (*FLAGS, "--skip_damaged"), ["no checkpoint in fsdp_checkpoints checks out"]),
-        ("narrow", "fsdp.py", FLAGS, ["checkpoint fsdp_checkpoints/epoch_000002 does not fit this model",
-                                      "model.inp.weight is [32, 20], here [64, 20]"]),
-        ("flattened", "fsdp.py", FLAGS, ["checkpoint fsdp_checkpoints/epoch_000002 keeps its optimizer state "
-                                         "flattened (optimizer.param_groups.<parameter>.lr", "and this script keeps "
-                                         "it nested (optimizer.param_groups.0.lr", "another layout; pass another"]),
+        ("none_whole", "fsdp.py", (*FLAGS, "--skip_damaged"), 2, ["no checkpoint in fsdp_checkpoints checks out"]),
+        ("narrow", "fsdp.py", FLAGS, 1, ["checkpoint fsdp_checkpoints/epoch_000002 does not fit this model",
+                                         "model.inp.weight is [32, 20], here [64, 20]"]),
+        ("flattened", "fsdp.py", FLAGS, 1, ["checkpoint fsdp_checkpoints/epoch_000002 keeps its optimizer state "
+                                            "flattened (optimizer.param_groups.<parameter>.lr", "and this script keeps "
+                                            "it nested (optimizer.param_groups.0.lr", "another layout; pass another"]),
     ]
+
+    def launch(case, script, flags, ranks):
+        if ranks == 2:
+            return start(torchrun_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, merge_output=False)
+        env = {**rank_0_env(ranks or 2), "MASTER_PORT": str(free_port())}  # side by side: a port each
+        return start(python_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, env=env,
+                     merge_output=False)
+
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    jobs = [start(torchrun_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, merge_output=False)
-            for case, script, flags, _ in cases]
+    jobs = [launch(case, script, flags, ranks) for case, script, flags, ranks, _ in cases]
     outputs = {}
-    for job, (case, _, _, fragments) in zip(jobs, cases):
+    for job, (case, _, _, _, fragments) in zip(jobs, cases):
         out, err = finish(job, 180)
         outputs[case] = out
         assert_said_by_rank_0(subprocess.CompletedProcess(job.args, job.returncode, out, err), *fragments)
@@ -304,13 +306,23 @@ def test_skip_damaged_sets_a_damaged_checkpoint_aside_and_resumes_bitwise_from_t
                                                                                               tmp_path):
     """400 bytes flipped in rank 1's shard of the newest checkpoint: with --skip_damaged the run says so, renames it
     epoch_000004.damaged (kept as it was), resumes from epoch 2's, and trains epochs 2 and 3 to the uninterrupted
-    run's weights, bitwise."""
+    run's weights, bitwise.
+
+    The run saves with --async_save, its save thread holding the save's arguments a second after its future is
+    done (tests/support/programs/slow_to_let_go.py): DCP's save thread drops them only then, and fsdp.py waits for
+    that thread before destroy_process_group, else the groups outlive it (the probe of tests/support fails the
+    launch). Seen once in four suite runs; made certain here by holding the thread back."""
     directory, uninterrupted_out = uninterrupted
     checkpoints = tmp_path / "fsdp_checkpoints"
     shutil.copytree(directory / "fsdp_checkpoints", checkpoints)
     flip(checkpoints / "epoch_000004" / "__1_0.distcp")
     damaged = {p.name: p.read_bytes() for p in (checkpoints / "epoch_000004").iterdir()}
-    out = run(fsdp("--total_epochs", EPOCHS, *FLAGS, "--skip_damaged"), cwd=tmp_path).stdout
+    out = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", PROGRAMS / "slow_to_let_go.py",
+               REPO / "fsdp.py", "--total_epochs", EPOCHS, *FLAGS, "--skip_damaged", "--async_save"],
+              cwd=tmp_path).stdout
+    assert summary(out).epochs == EPOCHS - 2, "epochs 2 and 3, trained here"
+    resaved = checkpoints / "epoch_000004"  # summed in the save thread
+    assert json.loads((resaved / checkpoint_dir.MARKER).read_text())["files"] == checkpoint_sums(resaved)
     assert re.search(r"^Checkpoint fsdp_checkpoints/epoch_000004 is damaged \(__1_0\.distcp does not match its sum "
                      r"\(CRC-32 [0-9a-f]{8}, complete\.json says [0-9a-f]{8}\)\): set aside as "
                      r"fsdp_checkpoints/epoch_000004\.damaged \(--skip_damaged\)$", out, re.M), out[-3000:]

@@ -19,7 +19,7 @@ from conftest import (BIN, HANG_GUARD_S, PROGRAMS, REPO, assert_bitwise_equal, a
                       stopped_worker, summary, torchrun_cmd, torchrun_worker, wait_for)
 
 FLAGS = ("--save_every", "2", "--batch_size", "16")
-EPOCHS = "16"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
+EPOCHS = "8"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
 
 
 def running(pid, script):
@@ -44,7 +44,9 @@ def kill_tree(process):
 
 # torchrun's two ways of giving workers a rendezvous store: its own, shared with the workers (the default
 # since torch 2.5), which outlives restarts with the previous group's keys in it; or one per group, which
-# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 selects. The scripts must survive restarts under both.
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 selects. The scripts must survive restarts under both: the single-node
+# restarts (two of them, the harder case for a store that keeps old keys) run under the default, the multinode
+# restart under one store per group. Each restart launch costs a whole run: each store is proven once.
 STORES = {"torchrun-default": clean_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1":
           clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)}
 
@@ -58,7 +60,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", ["torchrun-default"])
 def test_torchrun_restarts_killed_workers_and_ends_bitwise_equal(tmp_path, uninterrupted, store):
     """Two SIGKILLs at different points (rank 1 after the first snapshot, then rank 0 of the restarted group
     after its next one) with --max_restarts=2: a restart burned on the old group's addresses would fail the job."""
@@ -80,21 +82,23 @@ def test_torchrun_restarts_killed_workers_and_ends_bitwise_equal(tmp_path, unint
     assert_same_training_state(uninterrupted, snapshot)
 
 
-def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path):
-    run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", *FLAGS), cwd=tmp_path)
+def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path, uninterrupted):
+    """From a copy of the uninterrupted run's snapshot (epoch 8), one epoch more."""
     path = tmp_path / "multigpu_torchrun.pt"
+    path.write_bytes(uninterrupted.read_bytes())
     before = path.read_bytes()
+    more = str(int(EPOCHS) + 1)
     # A real SIGKILL in the middle of the script's own save: torch.save writes part of the file, then rank 0 dies.
     killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", PROGRAMS / "dying_save.py",
-                  REPO / "multigpu_torchrun.py", "--total_epochs", "3", *FLAGS], cwd=tmp_path, check=False)
+                  REPO / "multigpu_torchrun.py", "--total_epochs", more, *FLAGS], cwd=tmp_path, check=False)
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in killed.stderr, killed.stderr[-3000:]
-    assert "Resuming from multigpu_torchrun.pt at epoch 2" in killed.stdout
+    assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in killed.stdout
     assert path.read_bytes() == before, "the old snapshot must be untouched"
     assert (tmp_path / "multigpu_torchrun.pt.tmp").read_bytes() == b"the first half of a snapshot"
 
-    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "3", *FLAGS), cwd=tmp_path).stdout
-    assert "Resuming from multigpu_torchrun.pt at epoch 2" in out
-    assert load_snapshot(path)["epochs_run"] == 3
+    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", more, *FLAGS), cwd=tmp_path).stdout
+    assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in out
+    assert load_snapshot(path)["epochs_run"] == int(more)
     assert not (tmp_path / "multigpu_torchrun.pt.tmp").exists(), "the next save replaces what a dead writer left"
 
 
@@ -142,7 +146,7 @@ def multinode_agent(cwd, node, port, *args, extra=(), env=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"])
 def test_multinode_restart_ends_bitwise_equal(tmp_path, uninterrupted, store):
     """Two nodes of one process each train exactly what multigpu_torchrun.py trains with two processes."""
     port = free_port()

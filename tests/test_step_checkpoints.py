@@ -17,8 +17,8 @@ import torch
 
 from conftest import (BIN, ELASTIC, HANG_GUARD_S, RDZV_CONF, REPO, assert_bitwise_equal, assert_one_line_error,
                       children, clean_env, epoch_batches, epoch_lines, events, finish, free_port, listening,
-                      load_snapshot, python_cmd, release_when_stopped_by_torchrun, run, start, stopped_worker, summary,
-                      torchrun_cmd, torchrun_worker, wait_for)
+                      load_snapshot, python_cmd, rank_0_env, release_when_stopped_by_torchrun, run, start,
+                      stopped_worker, summary, torchrun_cmd, torchrun_worker, wait_for)
 
 
 
@@ -42,11 +42,17 @@ def steps_taken(directory, rank, restart=0):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """2 ranks, 2 epochs of 128 steps (16 samples per rank and step): the reference."""
+def reference(tmp_path_factory):
+    """2 ranks, 2 epochs of 128 steps (16 samples per rank and step), output to a pipe: its folder and stdout."""
     directory = tmp_path_factory.mktemp("uninterrupted")
-    run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "16"), cwd=directory, timeout=300)
-    return load_snapshot(directory / "step_checkpoints.pt")
+    out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "16"), cwd=directory, timeout=300).stdout
+    return directory, out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(reference):
+    """The reference run's snapshot."""
+    return load_snapshot(reference[0] / "step_checkpoints.pt")
 
 
 @pytest.mark.slow
@@ -133,51 +139,58 @@ def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_on
 
 
 @pytest.mark.slow
-def test_another_global_batch_goes_on_through_the_same_order(tmp_path):
+def test_another_global_batch_goes_on_through_the_same_order(tmp_path, stopped):
     """Resumed with another global batch: the order is the epoch's, not the batch's, so the rest of the epoch
     goes on from the same sample, in steps of the new size, and every sample is still used once (the run is then
-    not the uninterrupted one's, and the script says so)."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "16"), cwd=tmp_path,
-                env=probe_env(first, stop_at="0:0:50"))
-    stopped_worker(job, 0)
-    for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(2)]:
-        os.kill(pid, signal.SIGKILL)
-    finish(job, 60)
+    not the uninterrupted one's, and the script says so). From the 2-rank run stopped mid-epoch 1 (stopped(2))."""
+    first, second = stopped(2) / "first", tmp_path / "second"
+    shutil.copy(stopped(2) / "step_checkpoints.pt", tmp_path)
     saved = load_snapshot(tmp_path / "step_checkpoints.pt")
-    out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "48"), cwd=tmp_path,
+    assert saved["global_batch"] == 32 and 0 < saved["position"] < N, saved["position"]
+    out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "48"), cwd=tmp_path,
               env=probe_env(second), timeout=300).stdout
     assert "Note: steps of 96 samples from here on, not 32" in out
-    used = samples_of_interrupted_epoch(first, second, 0, saved["position"], 32, 2, 2)
+    used = samples_of_interrupted_epoch(first, second, 1, saved["position"], 32, 2, 2)
     assert sorted(used) == list(range(N)) and set(used.values()) == {1}
 
 
 @pytest.mark.slow
-def test_bad_input_is_one_line_and_overwrites_nothing(tmp_path):
+def test_bad_input_is_one_line_and_overwrites_nothing(tmp_path, reference):
+    """The reference run's snapshot, changed: every rank reads it and stops with the same line. Another dataset size
+    at 2 ranks under torchrun (one line, though both ranks say it); another seed at 1 rank (python with the
+    environment torchrun gives it), the same check."""
     result = run(python_cmd(SCRIPT, "--save_every_steps", "0"), cwd=tmp_path, check=False, timeout=60)
     assert_one_line_error(result, "argument --save_every_steps: must be a positive integer, got 0")
-    run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "256"), cwd=tmp_path, timeout=120)
     path = tmp_path / "step_checkpoints.pt"
-    state = load_snapshot(path)
-    for key, value, said in (("dataset_size", 1000, "another dataset size (1000, here 4096)"),
-                             ("seed", 7, "another seed (7, here 0)")):
+    state = load_snapshot(reference[0] / "step_checkpoints.pt")
+    for key, value, said, nproc in (("dataset_size", 1000, "another dataset size (1000, here 4096)", 2),
+                                    ("seed", 7, "another seed (7, here 0)", 1)):
         torch.save({**state, key: value}, path)
         before = path.read_bytes()
-        result = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "256"), cwd=tmp_path,
-                     check=False, timeout=120)
+        args = (*SMALL, "--epochs", "3", "--batch_size", "16")
+        if nproc == 2:
+            result = run(torchrun_cmd(SCRIPT, *args), cwd=tmp_path, check=False, timeout=120)
+        else:
+            result = run(python_cmd(SCRIPT, *args), cwd=tmp_path, check=False, timeout=120,
+                         env={**rank_0_env(1), "MASTER_PORT": str(free_port())})
         assert_one_line_error(result, f"step_checkpoints.pt was made with {said}", code=1)
         assert path.read_bytes() == before and not epoch_lines(result.stdout)
 
 
-def test_progress_within_the_epoch_and_the_checkpoints_it_writes(tmp_path):
-    """Output to a pipe: a plain progress line every tenth of the epoch (steps done, samples/s, time left), and a
-    line for every step checkpoint written."""
-    out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "1", "--batch_size", "16"), cwd=tmp_path, timeout=120).stdout
-    progress = re.findall(r"^Epoch 0 \| step (\d+)/128 \| [\d.]+ samples/s \| \d+s left in the epoch$", out, re.M)
-    assert [int(step) for step in progress] == list(range(12, 128, 12)), out
-    saved = re.findall(r"^Epoch 0 \| step (\d+)/128 \| Snapshot saved at step_checkpoints.pt$", out, re.M)
-    assert [int(step) for step in saved] == [20, 40, 60, 80, 100, 120]
-    assert summary(out).steps == 128
+def test_progress_within_the_epoch_and_the_checkpoints_it_writes(reference):
+    """Output to a pipe (the reference run's): a plain progress line every tenth of the epoch (steps done,
+    samples/s, time left), and a line for every step checkpoint written."""
+    out = reference[1]
+    for epoch in (0, 1):
+        progress = re.findall(rf"^Epoch {epoch} \| step (\d+)/128 \| [\d.]+ samples/s \| \d+s left in the epoch$", out,
+                              re.M)
+        assert [int(step) for step in progress] == list(range(12, 128, 12)), out
+        saved = re.findall(rf"^Epoch {epoch} \| step (\d+)/128 \| Snapshot saved at step_checkpoints.pt$", out, re.M)
+        # Every EVERY steps of the run: in epoch 0 at steps 20 to 120, in epoch 1 at 12 (the run's step 140) to 112.
+        assert [int(step) for step in saved] == [step for step in range(1, 129) if (128 * epoch + step) % EVERY == 0]
+    assert re.findall(r"^Epoch 0 \| step (\d+)/128 \| Snapshot saved", out, re.M) == ["20", "40", "60", "80", "100",
+                                                                                       "120"]
+    assert summary(out).steps == 256
 
 
 def processes(directory):

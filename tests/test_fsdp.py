@@ -281,7 +281,7 @@ def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_befo
     def launch(case, script, flags, ranks):
         if ranks == 2:
             return start(torchrun_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, merge_output=False)
-        env = {**rank_0_env(ranks or 2), "MASTER_PORT": str(free_port())}  # side by side: a port each
+        env = rank_0_env(ranks or 2, MASTER_PORT=free_port())  # side by side: a port each
         return start(python_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, env=env,
                      merge_output=False)
 

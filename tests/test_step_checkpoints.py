@@ -172,7 +172,7 @@ def test_bad_input_is_one_line_and_overwrites_nothing(tmp_path, reference):
             result = run(torchrun_cmd(SCRIPT, *args), cwd=tmp_path, check=False, timeout=120)
         else:
             result = run(python_cmd(SCRIPT, *args), cwd=tmp_path, check=False, timeout=120,
-                         env={**rank_0_env(1), "MASTER_PORT": str(free_port())})
+                         env=rank_0_env(1, MASTER_PORT=free_port()))
         assert_one_line_error(result, f"step_checkpoints.pt was made with {said}", code=1)
         assert path.read_bytes() == before and not epoch_lines(result.stdout)
 

@@ -34,8 +34,8 @@ def rank_0_env(nproc, **extra):
     """The environment torchrun gives rank 0 of `nproc` processes on this machine. For the checks a script makes
     before its process group: every rank would say the same line, so rank 0 alone, without the launcher and the
     other ranks' start-up (seconds of imports each), says what the whole launch would."""
-    return clean_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=29400, **extra)
+    return clean_env(**{"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29400, **extra})  # extra wins (a free port)
 
 
 def python_cmd(script, *args):

@@ -7,16 +7,14 @@ pytorch/pytorch images also bring torch). It goes in through the Dockerfile's BA
 the default stays the official image. The base's torch is the host's: the installation in the venv that
 runs pytest, with everything it requires (host_torch()).
 
-Which build the image then runs is the venv's:
-- PyPI's torch for Linux, the CUDA build (2.13.0+cu130, its CUDA libraries in the nvidia-* packages): the
-  image's real torch, as the official base carries it. The containers have no GPU, so these tests prove the
-  Dockerfile's `docker run --rm ddp-examples:latest` without GPUs: the default command trains on 2 CPU
-  processes with gloo, although torch.accelerator.current_accelerator() names cuda there (only
-  check_available=True finds none; a script that asks without it goes for NCCL and fails). Some 100 s
-  slower than the CPU wheel on a quiet machine here, several minutes on a busy one: the base carries 4.9 GB
-  more.
-- The CPU wheel (2.13.0+cpu): the same tests with that build, which the official image does not carry;
-  current_accelerator() finds none either way.
+Which build the image then runs is the venv's, and these tests need PyPI's torch for Linux, the CUDA build
+(2.13.0+cu130, its CUDA libraries in the nvidia-* packages): the image's real torch, as the official base
+carries it. In a venv with another build (the CPU wheel of the README's venv on this machine) they are skipped
+with that reason: they would prove an image nobody ships, and .ci/run runs them from its second venv, the one
+with PyPI's build. The containers have no GPU, so these tests prove the Dockerfile's
+`docker run --rm ddp-examples:latest` without GPUs: the default command trains on 2 CPU processes with gloo,
+although torch.accelerator.current_accelerator() names cuda there (only check_available=True finds none; a
+script that asks without it goes for NCCL and fails).
 test_image_torch_is_the_base_build_and_sees_no_accelerator checks that the containers run the venv's build.
 
 The pinned requirements come from a wheelhouse that the host's pip fills beforehand, so the build itself
@@ -67,6 +65,9 @@ def unavailable():
     absent = [name for name in ("podman", "runc", "mmdebstrap", "zstd") if shutil.which(name) is None]
     if absent:
         return f"{', '.join(absent)} not installed: apt-get install {PACKAGES} (.ci/run does)"
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} here; the image's is the official base's CUDA build: run these from a venv "
+                "with PyPI's torch (pip --isolated, as .ci/run's second phase does)")
     if debian_mirror() is None:
         return "no Debian mirror in /etc/apt/sources.list(.d) for mmdebstrap to make the base image from"
     return None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (REPO, assert_bitwise_equal, assert_one_line_error, check_no_abort, clean_env, finish,
-                      free_port, kill_launched, load_snapshot, python_cmd, run, start, start_lighthouse,
+                      forked_runs, free_port, kill_launched, load_snapshot, python_cmd, run, start, start_lighthouse,
                       torchrun_cmd)
 
 STEP = re.compile(r"^Step (\d+) \| groups (\d+) \| loss ([\d.]+)$", re.M)
@@ -262,18 +262,34 @@ def test_a_group_with_another_model_is_one_line_and_the_others_train_on(tmp_path
     assert_finished(running, steps)
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_FLAGS = [
     (["--replica_id", "2", "--num_replicas", "2"], "--replica_id must be between 0 and --num_replicas - 1"),
     (["--replica_id", "0", "--steps", "0"], "--steps must be at least 1"),
-])
-def test_bad_flags_are_one_line(args, message):
-    result = run(python_cmd("fault_tolerant.py", *args), cwd=REPO, timeout=60, check=False)
-    assert_one_line_error(result, message)
+]
+# The bad flags and the start without torchrun: each the script's command line in a process forked from one that
+# imported torch once (conftest.forked_runs), one process for all, kept on one worker. (Without a lighthouse the
+# group needs torchrun's own store, which torchft's Manager joins: test_no_lighthouse_is_one_line_within_seconds.)
+SAYS_ONE_LINE = pytest.mark.xdist_group("test_fault_tolerant_one_line")
 
 
-def test_started_without_torchrun_says_how(tmp_path):
-    result = run(python_cmd("fault_tolerant.py", "--replica_id", "0"), cwd=tmp_path, timeout=60, check=False)
-    assert_one_line_error(result, "torchrun --standalone --nproc_per_node=1 fault_tolerant.py")
+@pytest.fixture(scope="module")
+def said(tmp_path_factory):
+    """{name: CompletedProcess}, none in torchrun's environment."""
+    cases = {f"bad {i}": ["fault_tolerant.py", args, None] for i, (args, _) in enumerate(BAD_FLAGS)}
+    cases["without torchrun"] = ["fault_tolerant.py", ["--replica_id", "0"], None]
+    results = forked_runs(list(cases.values()), cwd=tmp_path_factory.mktemp("one-line"), timeout=120)
+    return dict(zip(cases, results))
+
+
+@SAYS_ONE_LINE
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[message for _, message in BAD_FLAGS])
+def test_bad_flags_are_one_line(said, case):
+    assert_one_line_error(said[f"bad {case}"], BAD_FLAGS[case][1])
+
+
+@SAYS_ONE_LINE
+def test_started_without_torchrun_says_how(said):
+    assert_one_line_error(said["without torchrun"], "torchrun --standalone --nproc_per_node=1 fault_tolerant.py")
 
 
 @pytest.mark.slow  # 50-60 s

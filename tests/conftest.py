@@ -154,9 +154,9 @@ def run(cmd, cwd, timeout=120, env=None, check=True):
 
 
 def forked_runs(cases, cwd, env=None, timeout=300):
-    """Each case [script, args, nproc or None, optional extra environment] run as its script's command line in a
-    process forked from one that imported torch once (tests/support/forked_runs.py): a CompletedProcess each,
-    whose args are the script and its arguments. For bad input, which costs the script no more than its checks."""
+    """Each case [script, args, nproc or None] run as its script's command line in a process forked from one that
+    imported torch once (tests/support/forked_runs.py): a CompletedProcess each, whose args are the script and its
+    arguments. For bad input, which costs the script no more than its checks."""
     done = run(python_cmd("tests/support/forked_runs.py", json.dumps(cases)), cwd=cwd, env=env, timeout=timeout)
     results = json.loads(done.stdout.splitlines()[-1])
     assert len(results) == len(cases), done.stdout[-3000:]

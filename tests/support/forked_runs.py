@@ -8,8 +8,7 @@ imported once, and each command line runs in a child forked from this process: t
 with its arguments, in this process's folder, its own stdout and stderr, and its exit as Python's would be
 (SystemExit's code, its message on stderr; a traceback and 1 for any other exception). With a number of processes N,
 the child has the environment torchrun gives rank 0 of N (launching.rank_0_env: for the checks a script makes before
-its process group, which rank 0 alone says as the whole launch would); with null, this process's. A fourth item,
-a dict, adds to that environment (a free MASTER_PORT, a variable the check reads)."""
+its process group, which rank 0 alone says as the whole launch would); with null, this process's."""
 import json
 import os
 import runpy
@@ -28,13 +27,14 @@ from launching import REPO, rank_0_env
 sys.path.insert(0, str(REPO))  # as `python REPO/script.py` puts the script's folder first
 
 
-def child(script, args, nproc, extra, out, err):
+def child(script, args, nproc, out, err):
     """In the forked process: never returns."""
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
-    env = rank_0_env(nproc, **extra) if nproc is not None else {**os.environ, **extra}
-    os.environ.clear()
-    os.environ.update({key: str(value) for key, value in env.items()})
+    if nproc is not None:
+        env = rank_0_env(nproc)
+        os.environ.clear()
+        os.environ.update(env)
     sys.argv = [str(REPO / script), *args]
     code = 0
     try:
@@ -54,13 +54,13 @@ def child(script, args, nproc, extra, out, err):
 
 
 results = []
-for script, args, nproc, *extra in json.loads(sys.argv[1]):
+for script, args, nproc in json.loads(sys.argv[1]):
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            child(script, args, nproc, extra[0] if extra else {}, out, err)
+            child(script, args, nproc, out, err)
         _, status = os.waitpid(pid, 0)
         out.seek(0)
         err.seek(0)

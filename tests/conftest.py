@@ -153,6 +153,16 @@ def run(cmd, cwd, timeout=120, env=None, check=True):
     return result
 
 
+def forked_runs(cases, cwd, env=None, timeout=300):
+    """Each case [script, args, nproc or None] run as its script's command line in a process forked from one that
+    imported torch once (tests/support/forked_runs.py): a CompletedProcess each, whose args are the script and its
+    arguments. For bad input, which costs the script no more than its checks."""
+    done = run(python_cmd("tests/support/forked_runs.py", json.dumps(cases)), cwd=cwd, env=env, timeout=timeout)
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert len(results) == len(cases), done.stdout[-3000:]
+    return [subprocess.CompletedProcess([case[0], *case[1]], *said) for case, said in zip(cases, results)]
+
+
 def launched_pids():
     """The processes that carry this test's token in their environment, wherever they sit in the tree."""
     found = []

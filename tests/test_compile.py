@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, load_snapshot, \
-    python_cmd, rank_0_env, run, torchrun_cmd
+from conftest import REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, forked_runs, \
+    load_snapshot, python_cmd, rank_0_env, run, torchrun_cmd
 
 # Two hidden layers of 512: the last two layers hold more than DDP's first bucket (1 MiB), so DDPOptimizer splits.
 MODEL = ("--hidden_size", "512", "--input_size", "20")
@@ -127,13 +127,25 @@ def test_a_snapshot_of_torch_compile_model_with_its_prefix_resumes_exactly(runs,
     assert_bitwise_equal(load_snapshot(folder / "prefixed.pt"), load_snapshot(folder / "compiled_then_eager.pt"))
 
 
-@pytest.mark.parametrize("args, fragment", [
+BAD_FLAGS = [
     (("--compile", "fast"), "argument --compile: torch 2"),
     (("--compiled_autograd",), "--compiled_autograd compiles the backward pass with torch.compile: add --compile"),
-])
-def test_bad_compile_flags_are_one_line(tmp_path, args, fragment):
-    result = run([sys.executable, REPO / "by_feature/compiled.py", *args], cwd=tmp_path, check=False, timeout=60)
-    line = assert_one_line_error(result, fragment)
+]
+
+
+@pytest.fixture(scope="module")
+def said(tmp_path_factory):
+    """The bad flags, each compiled.py's command line in a process forked from one that imported torch once
+    (conftest.forked_runs), one process for both. (Not the missing compiler: inductor reads $CXX when it is
+    imported, which the forking process has done.)"""
+    cases = [["by_feature/compiled.py", list(args), None] for args, _ in BAD_FLAGS]
+    return forked_runs(cases, cwd=tmp_path_factory.mktemp("one-line"))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[fragment for _, fragment in BAD_FLAGS])
+def test_bad_compile_flags_are_one_line(said, case):
+    args, fragment = BAD_FLAGS[case]
+    line = assert_one_line_error(said[case], fragment)
     if "fast" in args:
         assert "knows none, default, " in line and "reduce-overhead" in line and "got 'fast'" in line
 

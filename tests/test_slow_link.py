@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, finish, free_port,
-                      listening, load_snapshot, python_cmd, run, start, torchrun_cmd)
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, finish, forked_runs,
+                      free_port, listening, load_snapshot, python_cmd, run, start, torchrun_cmd)
 
 SYNC = re.compile(r"^(?:\[site (\d)\] )?Sync (\d+) \| step (\d+) \| groups (\d+) \| sent (\d+) B \| loss ([\d.]+)$",
                   re.M)
@@ -55,14 +55,25 @@ def namespaces_allowed():
     return None if shutil.which("tc") else "tc (iproute2) is not installed"
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_FLAGS = [
     (["--sync_every", "0"], "--sync_every must be at least 1"),
     (["--fragments", "3"], "--fragments 3 does not divide the model's 4 blocks"),
     (["--quantize"], "--quantize needs a CUDA GPU and triton"),
-])
-def test_bad_flags_are_one_line(args, message):
-    result = run(python_cmd("diloco.py", "--replica_id", "0", *args), cwd=REPO, timeout=60, check=False)
-    assert_one_line_error(result, message)
+]
+
+
+@pytest.fixture(scope="module")
+def said(tmp_path_factory):
+    """Each bad command line of diloco.py in a process forked from one that imported torch once
+    (conftest.forked_runs), one process for all; the tests that read it kept on one worker."""
+    return forked_runs([["diloco.py", ["--replica_id", "0", *args], None] for args, _ in BAD_FLAGS],
+                       cwd=tmp_path_factory.mktemp("one-line"))
+
+
+@pytest.mark.xdist_group("test_slow_link_bad_flags")
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[message for _, message in BAD_FLAGS])
+def test_bad_flags_are_one_line(said, case):
+    assert_one_line_error(said[case], BAD_FLAGS[case][1])
 
 
 def test_no_lighthouse_is_one_line_within_seconds(tmp_path):

@@ -93,17 +93,17 @@ def program_and_script(tokens):
 
 @functools.lru_cache(maxsize=None)
 def help_texts():
-    """Every documented script's --help, asked in one process (tests/support/help_texts.py)."""
+    """Every documented script's --help, and torchrun's, asked in one process (tests/support/help_texts.py)."""
     scripts = sorted({param.values[2] for param in shell_commands() if (REPO / param.values[2]).is_file()})
-    return json.loads(run([sys.executable, REPO / "tests" / "support" / "help_texts.py", *scripts], cwd=REPO,
-                          timeout=300).stdout)
+    helper = REPO / "tests" / "support" / "help_texts.py"
+    return json.loads(run([sys.executable, helper, *scripts, "torchrun"], cwd=REPO, timeout=300).stdout)
 
 
 @functools.lru_cache(maxsize=None)
 def accepted_flags(program):
     """The flags a script or torchrun accepts, from its own --help."""
     text = help_texts().get(program)
-    if not text:  # torchrun, or a script that help_texts.py could not ask: on its own
+    if not text:  # a script (or torchrun) that help_texts.py could not ask: on its own
         command = [BIN / "torchrun"] if program == "torchrun" else [sys.executable, REPO / program]
         text = run([*command, "--help"], cwd=REPO, timeout=120).stdout
     # Only what argparse lists as options: a script's description (its docstring) shows commands with launcher flags.
@@ -123,6 +123,7 @@ def shell_commands():
 
 
 @pytest.mark.quick
+@pytest.mark.xdist_group("test_docs_help_texts")  # one worker asks the help texts (one process), not each worker
 @pytest.mark.parametrize("page, program, script, arguments, launcher_flags", shell_commands())
 def test_every_documented_command_names_a_script_and_flags_that_exist(page, program, script, arguments,
                                                                        launcher_flags):
@@ -245,9 +246,10 @@ def run_blocks():
 
 @pytest.fixture
 def repository_copy(tmp_path):
+    """The clone without what is not the repository's: CI makes its venv in the clone (.venv, some 2 GB)."""
     copy = tmp_path / "repo"
-    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "*.pt",
-                                                            "results"))
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "*.pt",
+                                                            "results", "fr_traces"))
     return copy
 
 

@@ -68,10 +68,10 @@ def diagnosed(tmp_path, script, stall, rank, step, nproc=2, args=(), aborts=Fals
 
 
 def test_tensor_parallel_with_a_stopped_rank_names_dtensors_all_gather(tmp_path):
-    # Rank 1 stops as its layers.0 begins step 12's forward, the embedding's reduce-scatter done: rank 0 waits in
+    # Rank 1 stops as its layers.0 begins step 2's forward, the embedding's reduce-scatter done: rank 0 waits in
     # the all-gather of its slice of the sequence [BATCH, SEQ / 2, DIM] before attention (PrepareModuleInput of
     # layers.0.self_attn), called from the script's step, in the model's file.
-    line = diagnosed(tmp_path, "tensor_parallel.py", "stop", 1, 12)
+    line = diagnosed(tmp_path, "tensor_parallel.py", "stop", 1, 2)
     forward = re.escape(line_of("tensor_parallel.py", "self.parts[0](source)"))
     attention = re.escape(line_of("language_model.py", "self.self_attn(self.input_layernorm(x))"))
     head = (rf"diagnose: collective #\d+ \(all_gather of \[{BATCH}, {SEQ // 2}, {DIM}\], DTensor in "
@@ -82,10 +82,10 @@ def test_tensor_parallel_with_a_stopped_rank_names_dtensors_all_gather(tmp_path)
 
 
 def test_tensor_parallel_with_a_rank_stalled_in_backward_names_the_gradients_all_gather(tmp_path):
-    # Rank 1 sleeps in the backward of step 12, as the gradient of layers.0's output comes: rank 0 goes on into
+    # Rank 1 sleeps in the backward of step 2, as the gradient of layers.0's output comes: rank 0 goes on into
     # layers.0's backward and waits in its first collective, the all-gather of the MLP's output gradient (the
     # backward of down_proj's reduce-scatter).
-    line = diagnosed(tmp_path, "tensor_parallel.py", "backward", 1, 12)
+    line = diagnosed(tmp_path, "tensor_parallel.py", "backward", 1, 2)
     backward = re.escape(line_of("tensor_parallel.py", ".backward()"))
     head = (rf"diagnose: collective #\d+ \(all_gather of \[{BATCH}, {SEQ // 2}, {DIM}\], DTensor's gradients in "
             rf"backward\(\) at {backward}\) waited more than --timeout {TIMEOUT}s: rank 1 did not arrive: it is alive, "
@@ -96,10 +96,10 @@ def test_tensor_parallel_with_a_rank_stalled_in_backward_names_the_gradients_all
 
 
 def test_pipeline_with_a_stage_stalled_in_python_names_the_recv_that_never_came(tmp_path):
-    # Rank 0 (stage 0) sleeps in layers.0's forward of step 10's first micro-batch: stage 1 has finished step 9 and
+    # Rank 0 (stage 0) sleeps in layers.0's forward of step 2's first micro-batch: stage 1 has finished step 1 and
     # waits for that micro-batch's activations. Rank 0's innermost frame of the script is the Trainer's timing
     # wrapper around the stage's forward.
-    line = diagnosed(tmp_path, "pipeline_parallel.py", "sleep", 0, 10)
+    line = diagnosed(tmp_path, "pipeline_parallel.py", "sleep", 0, 2)
     step = re.escape(line_of("pipeline_parallel.py", "self.schedule.step("))
     timed = re.escape(line_of("pipeline_parallel.py", "return work(*args, **kwargs)"))
     head = (rf"diagnose: p2p recv of \[{BATCH // MICROBATCHES}, {SEQ}, {DIM}\] from stage 0 \(rank 0\), the "
@@ -111,10 +111,10 @@ def test_pipeline_with_a_stage_stalled_in_python_names_the_recv_that_never_came(
 
 
 def test_pipeline_with_a_stopped_stage_names_the_p2p_op_and_the_stage_it_waits_on(tmp_path):
-    # Rank 1 (stage 1) stops in layers.1's forward of step 10's first micro-batch, whose activations it has
+    # Rank 1 (stage 1) stops in layers.1's forward of step 2's first micro-batch, whose activations it has
     # received: stage 0 waits to send it the next micro-batch's (gloo's send waits for the matching recv), or for
     # the first one's gradients, as the schedule has it.
-    line = diagnosed(tmp_path, "pipeline_parallel.py", "stop", 1, 10)
+    line = diagnosed(tmp_path, "pipeline_parallel.py", "stop", 1, 2)
     shape = rf"\[{BATCH // MICROBATCHES}, {SEQ}, {DIM}\]"
     op = (rf"(send of {shape} to stage 1 \(rank 1\), stage 0's activations|recv of {shape} from stage 1 \(rank 1\), "
           rf"the gradients for stage 0's backward)")
@@ -126,11 +126,11 @@ def test_pipeline_with_a_stopped_stage_names_the_p2p_op_and_the_stage_it_waits_o
 
 def test_nd_a_killed_rank_is_named_at_once_by_the_group_it_broke_and_torchfrtrace_reads_the_rest(tmp_path):
     # dp_shard 2 x tp 2: ranks [0, 1] and [2, 3] split each layer (tp), [0, 2] and [1, 3] shard it (FSDP2). Rank 3
-    # SIGKILLs itself as layers.0 begins step 12's forward. Its tp partner's all-gather fails at once (the
+    # SIGKILLs itself as layers.0 begins step 2's forward. Its tp partner's all-gather fails at once (the
     # pipeline stage raises its own error from it); ranks 0 and 1 fail on ranks that failed. The line names the
     # collective that rank 3 broke, its group, module and model line, and rank 3 as killed; the hint's torchfrtrace
     # command reads the three dumps there are.
-    line = diagnosed(tmp_path, "nd_parallel.py", "kill", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"),
+    line = diagnosed(tmp_path, "nd_parallel.py", "kill", 3, 2, nproc=4, args=("--dp", "2", "--tp", "2"),
                      timeout=MESH_TIMEOUT)
     # Whichever of its partners asks first: rank 2's all-gather in their tp group, or rank 1's FSDP2 gather in
     # their dp_shard group; both broke on rank 3.
@@ -152,12 +152,12 @@ def test_nd_a_killed_rank_is_named_at_once_by_the_group_it_broke_and_torchfrtrac
 
 
 def test_nd_at_8_processes_a_stopped_rank_is_named_alone_across_pipeline_tensor_and_data_groups(tmp_path):
-    # pp 2 x dp_shard 2 x tp 2: rank 5 (stage 1) stops as its first layer (layers.1) begins step 12's forward. Its
+    # pp 2 x dp_shard 2 x tp 2: rank 5 (stage 1) stops as its first layer (layers.1) begins step 2's forward. Its
     # pipeline peer (rank 1) waits to send it activations, its tp partner (rank 4) in the all-gather of its slice of
     # the sequence before attention (PrepareModuleInput of layers.1.self_attn); the others wait for ranks that wait in
     # turn, or for rank 5 in their dp_shard group. Each is named in its own group, only rank 5 blamed. (An FSDP2
     # gather named by its module, on a user's 4-process FSDP2 x TP script: test_diagnose_installed.py.)
-    line = diagnosed(tmp_path, "nd_parallel.py", "stop", 5, 12, nproc=8, args=("--dp", "2", "--tp", "2", "--pp", "2"),
+    line = diagnosed(tmp_path, "nd_parallel.py", "stop", 5, 2, nproc=8, args=("--dp", "2", "--tp", "2", "--pp", "2"),
                      timeout=MESH_TIMEOUT)
     assert re.match(rf"diagnose: .*? in (pp group \[1, 5\]|tp group \[4, 5\]|dp_shard group \[5, 7\]) waited more "
                     rf"than --timeout {MESH_TIMEOUT}s: rank 5 is stopped by SIGSTOP \(pid \d+, on [^)]+\): it runs "
@@ -179,10 +179,10 @@ def test_nd_at_8_processes_a_stopped_rank_is_named_alone_across_pipeline_tensor_
 
 
 def test_nd_a_rank_that_skips_a_layer_is_named_by_the_group_whose_collective_it_broke(tmp_path):
-    # The 4-process mesh; rank 3 leaves layers.0 out of step 12, and with it that layer's tp collectives: its next
+    # The 4-process mesh; rank 3 leaves layers.0 out of step 2, and with it that layer's tp collectives: its next
     # one meets its partner's all-reduce with another shape, and gloo aborts it. The line names that collective in
     # their tp group, and rank 3 as the one aborted for it.
-    line = diagnosed(tmp_path, "nd_parallel.py", "skip", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"),
+    line = diagnosed(tmp_path, "nd_parallel.py", "skip", 3, 2, nproc=4, args=("--dp", "2", "--tp", "2"),
                      aborts=True, timeout=MESH_TIMEOUT)
     # (Or rank 1's FSDP2 gather in their dp_shard group, where rank 1 asks first: rank 3's abort breaks both.)
     assert re.match(r"diagnose: collective #\d+ \(.*?\) in (tp group \[2, 3\]|dp_shard group \[1, 3\]) failed \(.*?\): "
@@ -191,11 +191,11 @@ def test_nd_a_rank_that_skips_a_layer_is_named_by_the_group_whose_collective_it_
 
 
 def test_nd_a_rank_stopped_in_fsdps_reduce_scatter_is_named_with_its_dp_shard_group(tmp_path):
-    # The 4-process mesh; rank 3 stops as it enters its first FSDP2 reduce-scatter of step 12's gradients (which
+    # The 4-process mesh; rank 3 stops as it enters its first FSDP2 reduce-scatter of step 2's gradients (which
     # the schedule runs after the backward), before issuing it: the fault shows first in its dp_shard group [1, 3].
     # Rank 1 waits in that reduce-scatter (gloo runs and records it as an all-reduce: named as what FSDP2 called);
     # rank 2 goes on to the next module's gradients, and waits for rank 3 in a tp all-reduce; rank 0 for rank 1.
-    line = diagnosed(tmp_path, "nd_parallel.py", "stop", 3, 12, nproc=4, args=("--dp", "2", "--tp", "2"),
+    line = diagnosed(tmp_path, "nd_parallel.py", "stop", 3, 2, nproc=4, args=("--dp", "2", "--tp", "2"),
                      timeout=MESH_TIMEOUT, where="reduce_scatter@dp_shard")
     step = re.escape(line_of("nd_parallel.py", "self.schedule.step("))
     # The schedule reduces FSDP's units in the model's order: the root module's (the weights no layer holds) first.

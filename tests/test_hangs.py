@@ -5,6 +5,7 @@ user's script under every launcher, are in test_diagnose.py; here run_with_mpiru
 by a wrapper that deadlocks one rank after an optimizer step.
 """
 import json
+import shlex
 import subprocess
 
 import pytest
@@ -61,17 +62,27 @@ BACKWARD = f"all_reduce of [{MLP_PARAMETERS}], DDP's gradients in backward() at 
 GATHER = f"all_gather of [2] at {line_of('dist.all_gather(gathered, stats)')}"
 
 
+def page_command():
+    """docs/hangs.md's first command, as written there (torchdiagnose ... torchrun ... hangs.py --steps N), with
+    this environment's torchdiagnose and torchrun and the repository's hangs.py: (command, N)."""
+    found = [line for line in (REPO / "docs" / "hangs.md").read_text().splitlines()
+             if line.startswith("torchdiagnose ") and " hangs.py --steps " in line]
+    tokens = shlex.split(found[0])
+    paths = {"torchdiagnose": BIN / "torchdiagnose", "torchrun": BIN / "torchrun", "hangs.py": REPO / "hangs.py"}
+    return [paths.get(token, token) for token in tokens], int(tokens[tokens.index("--steps") + 1])
+
+
 @pytest.mark.quick
 def test_without_a_fault_it_trains_the_tool_says_nothing_and_the_next_sitecustomize_still_runs(tmp_path):
-    """A job that does not hang ends as without the tool; the tests' own sitecustomize (tests/support), which
-    counts each rank's collectives, still loads after the tool's."""
-    code, lines = watch(diagnosed(torchrun_cmd("hangs.py", "--steps", "12")), tmp_path,
-                        clean_env(DDP_EXAMPLES_PROBE_COLLECTIVES=1))
+    """docs/hangs.md's command: a job that does not hang ends as without the tool; the tests' own sitecustomize
+    (tests/support), which counts each rank's collectives, still loads after the tool's."""
+    command, steps = page_command()
+    code, lines = watch(command, tmp_path, clean_env(DDP_EXAMPLES_PROBE_COLLECTIVES=1))
     output = "\n".join(line for _, line in lines)
     assert code == 0, output[-3000:]
-    assert "Trained 12 steps: no fault, no hang" in output and "diagnose:" not in output, output[-3000:]
-    # 12 steps: a gradient all_reduce and an all_gather each, after DDP's 5 collectives at construction.
-    assert output.count("issued 29 collectives") == 2, output[-3000:]
+    assert f"Trained {steps} steps: no fault, no hang" in output and "diagnose:" not in output, output[-3000:]
+    # A gradient all_reduce and an all_gather a step, after DDP's 5 collectives at construction.
+    assert output.count(f"issued {5 + 2 * steps} collectives") == 2, output[-3000:]
 
 
 def test_a_skipped_collective_is_named_on_both_sides_and_torchfrtrace_reads_the_dumps(tmp_path):

@@ -41,9 +41,10 @@ STOP_STEP = STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2
 
 
 def checkout(directory):
-    """A user's copy of the repository to submit from (sbatch files unchanged; no tests, no snapshots)."""
+    """A user's copy of the repository to submit from (sbatch files unchanged; no tests, no snapshots). The jobs
+    run the suite's own Python; the README's .venv in the clone (2 GB) stays out of the copy."""
     shutil.copytree(REPO, directory, ignore=shutil.ignore_patterns(
-        ".git", "tests", "__pycache__", ".pytest_cache", "snapshots", "*.pt", "*.out", "results"))
+        ".git", ".venv", "tests", "__pycache__", ".pytest_cache", "snapshots", "*.pt", "*.out", "results"))
     return directory
 
 

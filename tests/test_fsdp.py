@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from conftest import (BIN, PROGRAMS, REPO, assert_bitwise_equal, assert_one_line_error, assert_said_by_rank_0,
                       checkpoint_sums, clean_env, collectives_issued, epoch_batches, epoch_lines, finish, flip,
-                      free_port, python_cmd, rank_0_env, run, start, stopped_worker, summary, torchrun_cmd,
+                      free_port, python_cmd, run, start, stopped_worker, summary, torchrun_cmd,
                       torchrun_worker)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import read_text
@@ -233,8 +233,8 @@ def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_befo
     stops with its line, and leaves the checkpoints as they were (--skip_damaged: the damaged one renamed).
     The cases whose files every rank sums a share of (flipped, missing, none_whole) run at 2 ranks under torchrun,
     and prove that rank 1 stays silent while rank 0 says the line. The cases rank 0 decides alone, from a marker it
-    reads or from the model every rank builds alike, run at 1 rank (python with the environment torchrun gives it,
-    the same stop()); the file case stops in rank 0 before its process group (rank 0 of 2, alone)."""
+    reads or from the model every rank builds alike, run at 1 rank (the environment torchrun gives it, the same
+    stop()); the file case stops in rank 0 before its process group (rank 0 of 2, alone)."""
     directory, _ = uninterrupted
     newest = "fsdp_checkpoints/epoch_000004"
 
@@ -278,20 +278,26 @@ def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_befo
                                             "it nested (optimizer.param_groups.0.lr", "another layout; pass another"]),
     ]
 
-    def launch(case, script, flags, ranks):
-        if ranks == 2:
-            return start(torchrun_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, merge_output=False)
-        env = rank_0_env(ranks or 2, MASTER_PORT=free_port())  # side by side: a port each
-        return start(python_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, env=env,
-                     merge_output=False)
-
+    # The 2-rank cases under torchrun, side by side; the others each its script's command line in a child forked
+    # from one process that imported torch once (tests/support/forked_runs.py), in its case's folder, with the
+    # environment torchrun gives rank 0 (a port each: the 1-rank cases make their process group of one).
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    jobs = [launch(case, script, flags, ranks) for case, script, flags, ranks, _ in cases]
+    jobs = {case: start(torchrun_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, merge_output=False)
+            for case, script, flags, ranks, _ in cases if ranks == 2}
+    alone = [[script, ["--total_epochs", "6", *map(str, flags)], ranks or 2,
+              {"cwd": str(tmp_path / case), "env": {"MASTER_PORT": free_port()}}]
+             for case, script, flags, ranks, _ in cases if ranks != 2]
+    forked = run(python_cmd("tests/support/forked_runs.py", json.dumps(alone)), cwd=tmp_path, timeout=300)
+    said = iter(json.loads(forked.stdout))
     outputs = {}
-    for job, (case, _, _, _, fragments) in zip(jobs, cases):
-        out, err = finish(job, 180)
-        outputs[case] = out
-        assert_said_by_rank_0(subprocess.CompletedProcess(job.args, job.returncode, out, err), *fragments)
+    for case, script, flags, ranks, fragments in cases:
+        if ranks == 2:
+            out, err = finish(jobs[case], 180)
+            result = subprocess.CompletedProcess(jobs[case].args, jobs[case].returncode, out, err)
+        else:
+            result = subprocess.CompletedProcess([script, *flags], *next(said))
+        outputs[case] = result.stdout
+        assert_said_by_rank_0(result, *fragments)
     aside = {p: tmp_path / "none_whole" / f"{newest}.damaged" / p.name for p in before if "none_whole" in p.parts
              and "epoch_000004" in p.parts}
     assert {aside.get(p, p): data for p, data in before.items()} == {

@@ -83,20 +83,21 @@ def test_torchrun_restarts_killed_workers_and_ends_bitwise_equal(tmp_path, unint
 
 
 def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path, uninterrupted):
-    """From a copy of the uninterrupted run's snapshot (epoch 8), one epoch more."""
+    """From a copy of the uninterrupted run's snapshot (epoch 8), one epoch more, at 1 rank: rank 0 alone saves the
+    snapshot (the other ranks' part in a save is none), and a process less a launch."""
     path = tmp_path / "multigpu_torchrun.pt"
     path.write_bytes(uninterrupted.read_bytes())
     before = path.read_bytes()
     more = str(int(EPOCHS) + 1)
     # A real SIGKILL in the middle of the script's own save: torch.save writes part of the file, then rank 0 dies.
-    killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", PROGRAMS / "dying_save.py",
+    killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=1", PROGRAMS / "dying_save.py",
                   REPO / "multigpu_torchrun.py", "--total_epochs", more, *FLAGS], cwd=tmp_path, check=False)
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in killed.stderr, killed.stderr[-3000:]
     assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in killed.stdout
     assert path.read_bytes() == before, "the old snapshot must be untouched"
     assert (tmp_path / "multigpu_torchrun.pt.tmp").read_bytes() == b"the first half of a snapshot"
 
-    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", more, *FLAGS), cwd=tmp_path).stdout
+    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", more, *FLAGS, nproc=1), cwd=tmp_path).stdout
     assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in out
     assert load_snapshot(path)["epochs_run"] == int(more)
     assert not (tmp_path / "multigpu_torchrun.pt.tmp").exists(), "the next save replaces what a dead writer left"

@@ -95,42 +95,55 @@ def samples_of_interrupted_epoch(probes_before, probes_after, epoch, position, g
     return used
 
 
+def stop_at_step(folder, nproc, probes, step):
+    """A run of `nproc` ranks in `folder` (it resumes from the snapshot there, if any) stopped (SIGKILL, torchrun and
+    every rank) once rank 0 took `step` steps: its output."""
+    job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=nproc), cwd=folder,
+                env=probe_env(probes, stop_at=f"0:0:{step}"))
+    stopped_worker(job, 0)
+    for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(nproc)]:
+        os.kill(pid, signal.SIGKILL)
+    return finish(job, 60)
+
+
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
-    """stopped(world_size): the folder of a run at that world size stopped (SIGKILL) mid-epoch 1, its snapshot and
-    its probes (first/); made once a world size, so that the resumes at 1 and at 3 ranks go on from one run."""
-    made = {}
-
-    def at(before):
-        if before not in made:
-            folder = tmp_path_factory.mktemp(f"stopped-at-{before}")
-            job = start(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=before),
-                        cwd=folder, env=probe_env(folder / "first", stop_at=f"0:0:{128 + 50}"))
-            stopped_worker(job, 0)
-            for pid in [job.pid] + [torchrun_worker(job.pid, r) for r in range(before)]:
-                os.kill(pid, signal.SIGKILL)
-            finish(job, 60)
-            made[before] = folder
-        return made[before]
-    return at
+    """The folder of a 2-rank run stopped (SIGKILL) mid-epoch 1, at step 178 (its snapshot: step 160), its probes in
+    first/; made once for the resumes at other world sizes and with another global batch."""
+    folder = tmp_path_factory.mktemp("stopped-at-2")
+    stop_at_step(folder, 2, folder / "first", 128 + 50)
+    return folder
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after", [(2, 1), (2, 3), (1, 2)])
-def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_once(tmp_path, uninterrupted, stopped,
-                                                                                   before, after):
-    """Stopped (SIGKILL) mid-epoch 1 at one world size, resumed at another with the same global batch of 32: every
-    sample of epoch 1 trained on once, and the final weights those of the uninterrupted 2-rank run but for the
-    order of float additions (measured: differences below 1e-6; allowed 1e-5)."""
-    first, second = stopped(before) / "first", tmp_path / "second"
-    shutil.copy(stopped(before) / "step_checkpoints.pt", tmp_path)
-    saved = load_snapshot(tmp_path / "step_checkpoints.pt")
-    assert (saved["epochs_run"], saved["world_size"]) == (1, before) and 0 < saved["position"] < N, saved["position"]
-
-    out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=after), cwd=tmp_path,
-              env=probe_env(second), timeout=300).stdout
-    assert f"Resuming from step_checkpoints.pt at epoch 1, sample {saved['position']} of {N}" in out
-    used = samples_of_interrupted_epoch(first, second, 1, saved["position"], 32, before, after)
+def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_once(tmp_path, uninterrupted, stopped):
+    """One run with the same global batch of 32 throughout, stopped (SIGKILL) mid-epoch 1 and resumed at another
+    world size three times: 2 -> 1 -> 2 -> 3 ranks, each resumed run but the last stopped again 30 steps in (10
+    steps past its first snapshot). Each resume goes on from the snapshot saved at the world size before it; every
+    sample of epoch 1 is trained on once (each run's steps up to the next snapshot, the last run's to the end), and
+    the final weights are those of the uninterrupted 2-rank run but for the order of float additions (measured:
+    differences below 1e-6; allowed 1e-5)."""
+    shutil.copy(stopped / "step_checkpoints.pt", tmp_path)
+    runs = [(2, stopped / "first", 1, 0)]  # (world size, probes, its pass of epoch 1, the position it started at)
+    used = Counter()
+    for hop, after in enumerate((1, 2, 3)):
+        before, probes, epoch_pass, began = runs[-1]
+        saved = load_snapshot(tmp_path / "step_checkpoints.pt")
+        assert (saved["epochs_run"], saved["world_size"]) == (1, before) and began < saved["position"] < N, saved
+        for rank in range(before):  # the steps of the run before that its snapshot holds
+            for batch in epoch_batches(probes, rank)[epoch_pass][:(saved["position"] - began) // 32]:
+                used.update(batch)
+        probes = tmp_path / f"hop{hop}"
+        if after == 3:
+            out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--global_batch_size", "32", nproc=after),
+                      cwd=tmp_path, env=probe_env(probes), timeout=300).stdout
+        else:
+            out = stop_at_step(tmp_path, after, probes, 30)
+        assert f"Resuming from step_checkpoints.pt at epoch 1, sample {saved['position']} of {N}" in out, out[-2000:]
+        runs.append((after, probes, 0, saved["position"]))
+    for rank in range(3):  # the last run: the rest of epoch 1
+        for batch in epoch_batches(probes, rank)[0]:
+            used.update(batch)
     assert sorted(used) == list(range(N)) and set(used.values()) == {1}, "every sample of the epoch exactly once"
     final = load_snapshot(tmp_path / "step_checkpoints.pt")
     assert (final["epochs_run"], final["position"], final["steps"]) == (2, 0, 256)
@@ -142,9 +155,9 @@ def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_on
 def test_another_global_batch_goes_on_through_the_same_order(tmp_path, stopped):
     """Resumed with another global batch: the order is the epoch's, not the batch's, so the rest of the epoch
     goes on from the same sample, in steps of the new size, and every sample is still used once (the run is then
-    not the uninterrupted one's, and the script says so). From the 2-rank run stopped mid-epoch 1 (stopped(2))."""
-    first, second = stopped(2) / "first", tmp_path / "second"
-    shutil.copy(stopped(2) / "step_checkpoints.pt", tmp_path)
+    not the uninterrupted one's, and the script says so). From the 2-rank run stopped mid-epoch 1 (stopped)."""
+    first, second = stopped / "first", tmp_path / "second"
+    shutil.copy(stopped / "step_checkpoints.pt", tmp_path)
     saved = load_snapshot(tmp_path / "step_checkpoints.pt")
     assert saved["global_batch"] == 32 and 0 < saved["position"] < N, saved["position"]
     out = run(torchrun_cmd(SCRIPT, *SMALL, "--epochs", "2", "--batch_size", "48"), cwd=tmp_path,

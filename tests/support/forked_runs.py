@@ -8,7 +8,9 @@ imported once, and each command line runs in a child forked from this process: t
 with its arguments, in this process's folder, its own stdout and stderr, and its exit as Python's would be
 (SystemExit's code, its message on stderr; a traceback and 1 for any other exception). With a number of processes N,
 the child has the environment torchrun gives rank 0 of N (launching.rank_0_env: for the checks a script makes before
-its process group, which rank 0 alone says as the whole launch would); with null, this process's."""
+its process group, which rank 0 alone says as the whole launch would); with null, this process's. A fourth item,
+optional, {"cwd": FOLDER, "env": {NAME: VALUE}}: the child runs in that folder, those variables added to rank 0's
+(a MASTER_PORT each, say, for the scripts that make a process group of one)."""
 import json
 import os
 import runpy
@@ -27,14 +29,16 @@ from launching import REPO, rank_0_env
 sys.path.insert(0, str(REPO))  # as `python REPO/script.py` puts the script's folder first
 
 
-def child(script, args, nproc, out, err):
+def child(script, args, nproc, out, err, cwd=None, env=None):
     """In the forked process: never returns."""
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
+    if cwd:
+        os.chdir(cwd)
     if nproc is not None:
-        env = rank_0_env(nproc)
+        environment = rank_0_env(nproc, **(env or {}))
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(environment)
     sys.argv = [str(REPO / script), *args]
     code = 0
     try:
@@ -54,13 +58,13 @@ def child(script, args, nproc, out, err):
 
 
 results = []
-for script, args, nproc in json.loads(sys.argv[1]):
+for script, args, nproc, *where in json.loads(sys.argv[1]):
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            child(script, args, nproc, out, err)
+            child(script, args, nproc, out, err, **(where[0] if where else {}))
         _, status = os.waitpid(pid, 0)
         out.seek(0)
         err.seek(0)

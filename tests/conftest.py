@@ -153,6 +153,19 @@ def run(cmd, cwd, timeout=120, env=None, check=True):
     return result
 
 
+def forked(cases, cwd, env=None, modules=(), timeout=300):
+    """Each case, [script, args, N processes or None(, folder)], as its command line in a child forked from one
+    process that imported torch once (tests/support/forked_runs.py; `modules` imported there too): for bad input,
+    refused before any work, a CompletedProcess each, at a fraction of a launch's start-up."""
+    cases = [[str(item) if isinstance(item, Path) else item for item in case] for case in cases]
+    cases = [[script, [str(arg) for arg in args], *rest] for script, args, *rest in cases]
+    done = run(python_cmd(REPO / "tests" / "support" / "forked_runs.py", json.dumps(cases), *modules), cwd=cwd,
+               env=env, timeout=timeout)
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert len(results) == len(cases), done.stdout[-3000:]
+    return [subprocess.CompletedProcess([case[0], *case[1]], *result) for case, result in zip(cases, results)]
+
+
 def launched_pids():
     """The processes that carry this test's token in their environment, wherever they sit in the tree."""
     found = []

@@ -2,13 +2,17 @@
 [[exit code, stdout, stderr], ...] in their order.
 
     python tests/support/forked_runs.py '[["nd_parallel.py", ["--cp", "3"], 2], ["plan.py", ["--tp", "3"], null]]'
+    python tests/support/forked_runs.py '[["train.py", ["--data_dir", "absent"], null, "/tmp/a"]]' train
 
 `python script args` costs an `import torch` and torch.distributed's modules each (about 5 CPU-s); here they are
 imported once, and each command line runs in a child forked from this process: the script run as __main__ (runpy)
 with its arguments, in this process's folder, its own stdout and stderr, and its exit as Python's would be
 (SystemExit's code, its message on stderr; a traceback and 1 for any other exception). With a number of processes N,
 the child has the environment torchrun gives rank 0 of N (launching.rank_0_env: for the checks a script makes before
-its process group, which rank 0 alone says as the whole launch would); with null, this process's."""
+its process group, which rank 0 alone says as the whole launch would); with null, this process's. A fourth item, a
+folder, is the child's working directory (a script that looks for its snapshot or .env there). Modules named after
+the cases (train: the script as a module, which imports transformers) are imported once too, before the forks."""
+import importlib
 import json
 import os
 import runpy
@@ -25,12 +29,16 @@ import torch.distributed.tensor.parallel  # noqa: F401
 from launching import REPO, rank_0_env
 
 sys.path.insert(0, str(REPO))  # as `python REPO/script.py` puts the script's folder first
+for module in sys.argv[2:]:
+    importlib.import_module(module)
 
 
-def child(script, args, nproc, out, err):
+def child(script, args, nproc, out, err, cwd=None):
     """In the forked process: never returns."""
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
+    if cwd is not None:
+        os.chdir(cwd)
     if nproc is not None:
         env = rank_0_env(nproc)
         os.environ.clear()
@@ -54,13 +62,13 @@ def child(script, args, nproc, out, err):
 
 
 results = []
-for script, args, nproc in json.loads(sys.argv[1]):
+for script, args, nproc, *cwd in json.loads(sys.argv[1]):
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            child(script, args, nproc, out, err)
+            child(script, args, nproc, out, err, *cwd)
         _, status = os.waitpid(pid, 0)
         out.seek(0)
         err.seek(0)

@@ -208,7 +208,8 @@ def no_process_outlives_its_test(request):
 # Under pytest-xdist (-n 2; pytest.ini sets --dist loadgroup), each test goes to whichever worker is free, except
 # those of these files: one worker runs a file's tests in order, so that its module-scoped launch (a reference
 # run, a SLURM cluster, an image) is made once, and two Ray clusters never start side by side.
-SHARED_SETUP = {"test_compile", "test_container", "test_evaluation", "test_fsdp", "test_linear_ddp", "test_parallelism",
+SHARED_SETUP = {"test_compile", "test_container", "test_evaluation", "test_fsdp", "test_launchers", "test_linear_ddp",
+                "test_parallelism",
                 "test_plan", "test_ray", "test_reliability", "test_sending_less", "test_slurm", "test_step_checkpoints",
                 "test_submitit", "test_torchx", "test_train_hf", "test_tutorial"}
 

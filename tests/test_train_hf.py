@@ -11,8 +11,8 @@ import pytest
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from safetensors.torch import load_file
-from conftest import (MNIST, assert_bitwise_equal, assert_one_line_error, clean_env, free_port, load_snapshot, mpi_env,
-                      mpirun_cmd, python_cmd, run, summary, torchrun_cmd, write_idx)
+from conftest import (MNIST, assert_bitwise_equal, assert_one_line_error, clean_env, forked, free_port, load_snapshot,
+                      mpi_env, mpirun_cmd, python_cmd, run, summary, torchrun_cmd, write_idx)
 from models_and_data import load_mnist, read_idx
 from train import SimpleCNN, collate, load_splits
 
@@ -166,34 +166,58 @@ def test_resume_from_the_last_checkpoint(one_epoch_run, mnist_dir):
     assert [entry["epoch"] for entry in state["log_history"] if "eval_accuracy" in entry] == [1.0, 2.0]
 
 
+MISSING = ["train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+
+
+@pytest.fixture(scope="module")
+def refused(mnist_dir, tmp_path_factory):
+    """train.py's command lines that stop before any work: no --data_dir with an empty cache in offline mode, and a
+    folder that lacks one of the four files. Each in a child forked from one process that imported train.py's modules
+    (transformers) once (forked_runs), that process in offline mode with an empty cache; in folders of their own.
+    {case: (CompletedProcess, folder)}."""
+    root = tmp_path_factory.mktemp("refused")
+    cases, folders = {}, {}
+    folders["offline"] = root / "offline"
+    folders["offline"].mkdir()
+    cases["offline"] = ["train.py", ["--output_dir", folders["offline"] / "out"], None, folders["offline"]]
+    for missing in MISSING:
+        folders[missing] = root / missing
+        data = folders[missing] / "data"
+        data.mkdir(parents=True)
+        for path in mnist_dir.glob("*.gz"):
+            if not path.name.startswith(missing):
+                (data / path.name).write_bytes(path.read_bytes())
+        cases[missing] = ["train.py", ["--data_dir", data, "--output_dir", folders[missing] / "out"], None,
+                          folders[missing]]
+    results = forked(list(cases.values()), cwd=root, env=clean_env(HF_HOME=root / "hf", HF_HUB_OFFLINE=1),
+                     modules=["train"])
+    return {key: (result, folders[key]) for key, result in zip(cases, results)}
+
+
 # Unreachable, the Hub's client retries for some 25 s before the line: that variant runs in the whole suite only.
 @pytest.mark.parametrize("offline", [pytest.param(True, id="HF_HUB_OFFLINE"),
                                      pytest.param(False, id="hub-unreachable", marks=pytest.mark.slow)])
-def test_no_data_without_a_network_says_how_to_get_it(tmp_path, offline):
-    """An empty cache, and either offline mode or a Hub address where nobody listens (no network here or not)."""
-    env = clean_env(HF_HOME=tmp_path / "hf")
+def test_no_data_without_a_network_says_how_to_get_it(request, tmp_path, offline):
+    """An empty cache, and either offline mode (`refused`) or a Hub address where nobody listens (no network here
+    or not)."""
+    start = time.perf_counter()
     if offline:
-        env["HF_HUB_OFFLINE"] = "1"
+        result, _ = request.getfixturevalue("refused")["offline"]
     else:
+        env = clean_env(HF_HOME=tmp_path / "hf")
         env.pop("HF_HUB_OFFLINE", None)
         env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
-    start = time.perf_counter()
-    result = run(python_cmd("train.py", "--output_dir", tmp_path / "out"), cwd=tmp_path, env=env, check=False)
+        result = run(python_cmd("train.py", "--output_dir", tmp_path / "out"), cwd=tmp_path, env=env, check=False)
     assert_one_line_error(result, "ylecun/mnist", "--data_dir", "save_to_disk", code=1)
     print(f"failed in {time.perf_counter() - start:.1f}s: {result.stderr.strip()}")
 
 
-@pytest.mark.parametrize("missing", ["train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"])
-def test_a_missing_file_is_one_line_naming_it(mnist_dir, tmp_path, missing):
+@pytest.mark.parametrize("missing", MISSING)
+def test_a_missing_file_is_one_line_naming_it(refused, missing):
     """Three of the four files: the error names the one that is not there, and where it was looked for (with
     neither training file, the folder is a test set alone: test_the_shipped_test_set_trains_as_documented)."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for path in mnist_dir.glob("*.gz"):
-        if not path.name.startswith(missing):
-            (data / path.name).write_bytes(path.read_bytes())
-    result = run(python_cmd("train.py", "--data_dir", data, "--output_dir", tmp_path / "out"), cwd=tmp_path,
-                 check=False)
+    result, folder = refused[missing]
+    data = folder / "data"
     assert_one_line_error(result, f"MNIST file {missing}[.gz] not found in {data} or {data}/MNIST/raw", "--data_dir",
                           code=1)
 

@@ -1,6 +1,6 @@
 """What a new user runs into, under the real launchers: snapshot paths that cannot be written (found before the
 first step, in one line, by every script that writes), mpirun from a venv that is not activated, a
-node whose peers never come.
+node whose peers never come. (The tutorial's steps in one folder: test_tutorial.py, on its shared runs.)
 """
 import os
 import re
@@ -96,18 +96,6 @@ def test_a_read_only_mount_is_found_before_training(tmp_path):
                                              (results / f"{name}.out").read_text(),
                                              (results / f"{name}.err").read_text())
         assert_refused_before_training(result, str(read_only / "out"), ("Read-only file system",))
-
-
-@pytest.mark.slow  # four launches of steps that test_tutorial.py runs one by one
-def test_the_tutorial_in_order_in_one_folder(tmp_path):
-    """Each step writes its own snapshot: step 2 after step 1 trains, it does not find step 1's finished run;
-    going on from step 1's snapshot is a flag."""
-    run(python_cmd("singlegpu.py", "4", "2"), cwd=tmp_path)
-    out = run(python_cmd("multigpu.py", "4", "2"), cwd=tmp_path).stdout
-    assert [line.epoch for line in epoch_lines(out)] == [0, 1, 2, 3]
-    out = run(python_cmd("multigpu.py", "6", "2", "--snapshot_path", "singlegpu.pt"), cwd=tmp_path).stdout
-    assert "Resuming from singlegpu.pt at epoch 4" in out and [line.epoch for line in epoch_lines(out)] == [4, 5]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["multigpu.pt", "singlegpu.pt"]
 
 
 def test_mpirun_from_a_venv_that_is_not_activated(tmp_path):

@@ -56,9 +56,19 @@ def test_singlegpu_positional_form_resumes_bitwise(singlegpu_six_epochs, tmp_pat
     assert (stopped / "singlegpu.pt").read_bytes() == finished
 
 
-def test_multigpu_spawns_ranks_logs_once_and_learns(tmp_path):
+@pytest.fixture(scope="module")
+def multigpu_after_singlegpu(singlegpu_six_epochs, tmp_path_factory):
+    """Step 2, 4 epochs of 2 spawned ranks, in the folder where step 1 ran (its 6-epoch snapshot, copied): (folder,
+    stdout)."""
+    folder = tmp_path_factory.mktemp("multigpu")
+    shutil.copy(singlegpu_six_epochs[0] / "singlegpu.pt", folder / "singlegpu.pt")
     out = run(python_cmd("multigpu.py", "--total_epochs", "4", "--save_every", "2", "--world_size", "2",
-                         "--batch_size", "32"), cwd=tmp_path).stdout
+                         "--batch_size", "32"), cwd=folder).stdout
+    return folder, out
+
+
+def test_multigpu_spawns_ranks_logs_once_and_learns(multigpu_after_singlegpu):
+    tmp_path, out = multigpu_after_singlegpu
     assert epochs(out) == [0, 1, 2, 3], "rank 0 alone logs, once per epoch"
     steps = {line.steps for line in epoch_lines(out)}
     assert steps == {2048 // (32 * 2)}, "each rank sees half of the data"
@@ -68,16 +78,28 @@ def test_multigpu_spawns_ranks_logs_once_and_learns(tmp_path):
     assert load_snapshot(tmp_path / "multigpu.pt")["epochs_run"] == 4
 
 
+@pytest.mark.slow
+def test_the_tutorial_in_order_in_one_folder(multigpu_after_singlegpu, tmp_path):
+    """Each step writes its own snapshot: step 2 after step 1 trains (the shared run: epochs 0 to 3 beside step 1's
+    finished snapshot), it does not find step 1's finished run; going on from step 1's snapshot is a flag."""
+    assert epochs(multigpu_after_singlegpu[1]) == [0, 1, 2, 3]
+    shutil.copytree(multigpu_after_singlegpu[0], tmp_path, dirs_exist_ok=True)  # the fixture's own stays as it ended
+    out = run(python_cmd("multigpu.py", "8", "2", "--snapshot_path", "singlegpu.pt"), cwd=tmp_path).stdout
+    assert "Resuming from singlegpu.pt at epoch 6" in out and epochs(out) == [6, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multigpu.pt", "singlegpu.pt"]
+
+
 TWO_RANKS = ("--save_every", "2", "--batch_size", "16")
 
 
 @pytest.fixture(scope="module")
 def two_ranks_two_epochs(tmp_path_factory):
     """Step 3, 2 ranks, 2 epochs of batches of 16: (folder, stdout); its snapshot ddp.pt. The reference of one
-    process with batch 32, and the first half of the resume below."""
+    process with batch 32, the first half of the resume below, and, on a Mac (FAKE_MPS: torch reports one mps
+    device, tests/support/sitecustomize.py), 2 processes on 1 device."""
     folder = tmp_path_factory.mktemp("two_ranks")
     out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", *TWO_RANKS, "--snapshot_path", "ddp.pt"),
-              cwd=folder).stdout
+              cwd=folder, env=clean_env(DDP_EXAMPLES_PROBE_FAKE_MPS=1)).stdout
     return folder, out
 
 
@@ -286,15 +308,15 @@ def test_torchrun_script_under_plain_python_says_how_to_launch(refused, script):
     assert_one_line_error(result, f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {REPO / script}")
 
 
-def test_more_processes_than_devices_train_on_the_cpu(tmp_path):
+def test_more_processes_than_devices_train_on_the_cpu(two_ranks_two_epochs, tmp_path):
     """A Mac: torch reports one mps device (the probe DDP_EXAMPLES_PROBE_FAKE_MPS in tests/support/sitecustomize.py,
-    loaded by every launched process). Two processes under torchrun do not share it: both train on the CPU, with
-    gloo, and the first line says so."""
+    loaded by every launched process). Two processes under torchrun (the shared 2-rank run, launched so) do not share
+    it: both train on the CPU, with gloo, and the first line says so."""
     env = clean_env(DDP_EXAMPLES_PROBE_FAKE_MPS=1)
     seen = run([BIN / "python", "-c", "import torch; print(torch.accelerator.current_accelerator("
                 "check_available=True), torch.accelerator.device_count(), torch.backends.mps.is_available())"],
                cwd=tmp_path, env=env)
     assert seen.stdout.split() == ["mps", "1", "True"], "the probe must make torch report one mps device"
-    out = run(torchrun_cmd("multigpu_torchrun.py", "2", "1"), cwd=tmp_path, env=env).stdout
+    out = two_ranks_two_epochs[1]
     assert out.splitlines()[0] == "Training on 2 processes | device cpu | backend gloo", out[-2000:]
     assert summary(out).backend == "gloo" and len(epoch_lines(out)) == 2

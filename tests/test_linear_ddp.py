@@ -17,10 +17,11 @@ SMALL = ("--input_size", "20")
 DATASET = 4096  # torchrun_ddp.py's and ddp.py's synthetic dataset
 
 
-def torchrun_ddp_cmd(*args, script="torchrun_ddp.py"):
-    """The documented launch line (a static rendezvous on 127.0.0.1), on a free port instead of 29500."""
+def torchrun_ddp_cmd(*args, script="torchrun_ddp.py", backend="gloo"):
+    """The documented launch line (a static rendezvous on 127.0.0.1), on a free port instead of 29500; backend None:
+    the script's own choice."""
     return [BIN / "torchrun", "--nproc_per_node=2", "--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", REPO / script, "--backend", "gloo", *SMALL, *args]
+            f"--master_port={free_port()}", REPO / script, *(("--backend", backend) if backend else ()), *SMALL, *args]
 
 
 def accumulation_cmd(*args):
@@ -36,9 +37,11 @@ def assert_learned(lines, count):
 @pytest.fixture(scope="module")
 def big_batch_run(tmp_path_factory):
     """The base, 3 epochs of one batch of 64 per rank and step: the reference for learning, accumulation and
-    resume, and bf16's fp32 counterpart."""
+    resume, and bf16's fp32 counterpart. torch made to report 1 GPU (FAKE_GPUS) and the backend left to the script:
+    2 ranks on it, one too many, train on the CPU with gloo (test_more_ranks_on_a_node_than_gpus_is_refused)."""
     directory = tmp_path_factory.mktemp("big_batch")
-    result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64"), cwd=directory)
+    result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64", backend=None), cwd=directory,
+                 env=clean_env(DDP_EXAMPLES_PROBE_FAKE_GPUS=1))
     return result, load_snapshot(directory / "torchrun_ddp.pt"), directory
 
 
@@ -270,7 +273,7 @@ def test_ddp_py_nccl_without_gpus_says_use_gloo(refused):
 
 
 @pytest.mark.parametrize("script", ["ddp.py", "torchrun_ddp.py"])
-def test_more_ranks_on_a_node_than_gpus_is_refused(tmp_path, script):
+def test_more_ranks_on_a_node_than_gpus_is_refused(request, tmp_path, script):
     """torch is made to report 1 GPU and NCCL (the check runs before any GPU is touched), also on a machine with
     GPUs: the tests' launches have those hidden. 2 ranks on it: one too many, as 9 on 8 GPUs."""
     env, ranks = clean_env(DDP_EXAMPLES_PROBE_FAKE_GPUS=1), 2
@@ -281,12 +284,11 @@ def test_more_ranks_on_a_node_than_gpus_is_refused(tmp_path, script):
     else:  # torchrun_ddp.py trains them all on the CPU (a Mac has one mps device), where NCCL cannot run
         # The refusal comes before the process group: rank 0 of 2 alone, in the environment torchrun gives it, says
         # what every rank would (a rank that went on would wait for the others until the timeout). The training
-        # below is under torchrun itself.
+        # under torchrun itself, with the backend left to the script, is the shared reference run's (big_batch_run).
         result = run(python_cmd(script, *SMALL, "--backend", "nccl"), cwd=tmp_path, check=False, timeout=90,
                      env=rank_0_env(ranks, DDP_EXAMPLES_PROBE_FAKE_GPUS=1))
         assert_one_line_error(result, "--backend nccl needs a CUDA GPU for each process", "gloo on the CPU", code=1)
-        torchrun = [BIN / "torchrun", "--standalone", f"--nproc_per_node={ranks}", REPO / script, *SMALL]
-        out = run([*torchrun, "--total_epochs", "1"], cwd=tmp_path, env=env, timeout=120).stdout
+        out = request.getfixturevalue("big_batch_run")[0].stdout
         assert f"{ranks} ranks | " in out and "| device cpu" in out, out[-2000:]
         assert (summary(out).world_size, summary(out).backend) == (ranks, "gloo")
 

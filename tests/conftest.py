@@ -209,9 +209,8 @@ def no_process_outlives_its_test(request):
 # those of these files: one worker runs a file's tests in order, so that its module-scoped launch (a reference
 # run, a SLURM cluster, an image) is made once, and two Ray clusters never start side by side.
 SHARED_SETUP = {"test_compile", "test_container", "test_evaluation", "test_fsdp", "test_launchers", "test_linear_ddp",
-                "test_parallelism",
-                "test_plan", "test_ray", "test_reliability", "test_sending_less", "test_slurm", "test_step_checkpoints",
-                "test_submitit", "test_torchx", "test_train_hf", "test_tutorial"}
+                "test_parallelism", "test_plan", "test_ray", "test_reliability", "test_sending_less", "test_slurm",
+                "test_step_checkpoints", "test_submitit", "test_torchx", "test_train_hf", "test_tutorial"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks

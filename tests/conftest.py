@@ -153,14 +153,23 @@ def run(cmd, cwd, timeout=120, env=None, check=True):
     return result
 
 
-def forked_runs(cases, cwd, env=None, timeout=300):
-    """Each case [script, args, nproc or None] run as its script's command line in a process forked from one that
-    imported torch once (tests/support/forked_runs.py): a CompletedProcess each, whose args are the script and its
-    arguments. For bad input, which costs the script no more than its checks."""
-    done = run(python_cmd("tests/support/forked_runs.py", json.dumps(cases)), cwd=cwd, env=env, timeout=timeout)
+def forked(cases, cwd, env=None, modules=(), timeout=300):
+    """Each case, [script, args, N processes or None(, {"cwd": folder, "env": {name: value}})], as its command line
+    in a child forked from one process that imported torch once (tests/support/forked_runs.py; `modules` imported
+    there too): for bad input, refused before any work, a CompletedProcess each, at a fraction of a launch's
+    start-up. Paths may stand for strings anywhere in a case, numbers for arguments."""
+    def plain(item):
+        if isinstance(item, dict):
+            return {key: plain(value) for key, value in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [plain(value) for value in item]
+        return str(item) if isinstance(item, Path) else item
+    cases = [[script, [str(arg) for arg in args], *plain(rest)] for script, args, *rest in cases]
+    done = run(python_cmd(REPO / "tests" / "support" / "forked_runs.py", json.dumps(cases), *modules), cwd=cwd,
+               env=env, timeout=timeout)
     results = json.loads(done.stdout.splitlines()[-1])
     assert len(results) == len(cases), done.stdout[-3000:]
-    return [subprocess.CompletedProcess([case[0], *case[1]], *said) for case, said in zip(cases, results)]
+    return [subprocess.CompletedProcess([case[0], *case[1]], *result) for case, result in zip(cases, results)]
 
 
 def launched_pids():
@@ -205,9 +214,9 @@ def no_process_outlives_its_test(request):
 # Under pytest-xdist (-n 2; pytest.ini sets --dist loadgroup), each test goes to whichever worker is free, except
 # those of these files: one worker runs a file's tests in order, so that its module-scoped launch (a reference
 # run, a SLURM cluster, an image) is made once, and two Ray clusters never start side by side.
-SHARED_SETUP = {"test_compile", "test_container", "test_evaluation", "test_fsdp", "test_linear_ddp", "test_parallelism",
-                "test_plan", "test_ray", "test_reliability", "test_sending_less", "test_slurm", "test_step_checkpoints",
-                "test_submitit", "test_torchx", "test_train_hf", "test_tutorial"}
+SHARED_SETUP = {"test_compile", "test_container", "test_evaluation", "test_fsdp", "test_launchers", "test_linear_ddp",
+                "test_parallelism", "test_plan", "test_ray", "test_reliability", "test_sending_less", "test_slurm",
+                "test_step_checkpoints", "test_submitit", "test_torchx", "test_train_hf", "test_tutorial"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks

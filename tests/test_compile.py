@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, forked_runs, \
+from conftest import REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, forked, \
     load_snapshot, python_cmd, rank_0_env, run, torchrun_cmd
 
 # Two hidden layers of 512: the last two layers hold more than DDP's first bucket (1 MiB), so DDPOptimizer splits.
@@ -136,10 +136,10 @@ BAD_FLAGS = [
 @pytest.fixture(scope="module")
 def said(tmp_path_factory):
     """The bad flags, each compiled.py's command line in a process forked from one that imported torch once
-    (conftest.forked_runs), one process for both. (Not the missing compiler: inductor reads $CXX when it is
+    (conftest.forked), one process for both. (Not the missing compiler: inductor reads $CXX when it is
     imported, which the forking process has done.)"""
     cases = [["by_feature/compiled.py", list(args), None] for args, _ in BAD_FLAGS]
-    return forked_runs(cases, cwd=tmp_path_factory.mktemp("one-line"))
+    return forked(cases, cwd=tmp_path_factory.mktemp("one-line"))
 
 
 @pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[fragment for _, fragment in BAD_FLAGS])

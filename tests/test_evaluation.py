@@ -1,14 +1,12 @@
-"""Uneven data: evaluation that counts every held-out sample once at any world size (by_feature/exact_evaluation.py
-and train.py's Trainer), training on shards of different lengths with Join (by_feature/uneven_inputs.py), and what
-happens without it."""
-import json
+"""Uneven data: evaluation that counts every held-out sample once at any world size (by_feature/exact_evaluation.py;
+train.py's Trainer: test_train_hf.py, on its mpirun run), training on shards of different lengths with Join
+(by_feature/uneven_inputs.py), and what happens without it."""
 import re
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from conftest import (REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, load_snapshot,
                       python_cmd, run, summary, torchrun_cmd)
 from torch.utils.data.distributed import DistributedSampler
@@ -126,26 +124,3 @@ def test_evaluating_a_snapshot_that_is_not_there_is_one_line(tmp_path):
     result = run(python_cmd(EVALUATE, "--evaluate", "--snapshot_path", "absent.pt"), cwd=tmp_path, check=False,
                  timeout=60)
     assert_one_line_error(result, "--evaluate: no snapshot at absent.pt to evaluate")
-
-
-@pytest.mark.slow
-def test_trainer_evaluation_counts_each_image_once(mnist_dir, tmp_path):
-    """train.py at 3 ranks on 1001 evaluation images (3 does not divide it): the Trainer's figures are those of
-    one process scoring the saved model on all 1001 here, each image once: accuracy as a count, and the loss
-    (train.py's own, in place of the Trainer's per-batch average)."""
-    run(torchrun_cmd("train.py", "--data_dir", mnist_dir, "--output_dir", tmp_path / "out", "--max_train_samples",
-                     "384", "--max_eval_samples", str(EVAL_SIZE), "--num_train_epochs", "1", "--disable_tqdm", "True",
-                     nproc=3), cwd=tmp_path, timeout=600)
-    metrics = json.loads((tmp_path / "out" / "eval_results.json").read_text())
-    from train import SimpleCNN, collate, load_splits  # train.py's own model and data (it imports transformers)
-
-    model = SimpleCNN()
-    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
-    splits, _ = load_splits(str(mnist_dir))
-    batch = collate([splits["test"][i] for i in range(EVAL_SIZE)])
-    with torch.no_grad():
-        logits = model(batch["image"])["logits"]
-    correct = int((logits.argmax(-1) == batch["labels"]).sum())
-    assert (metrics["eval_scored"], metrics["eval_correct"]) == (EVAL_SIZE, correct)
-    assert metrics["eval_accuracy"] == correct / EVAL_SIZE
-    assert metrics["eval_loss"] == pytest.approx(F.cross_entropy(logits.double(), batch["labels"]).item(), abs=1e-5)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (REPO, assert_bitwise_equal, assert_one_line_error, check_no_abort, clean_env, finish,
-                      forked_runs, free_port, kill_launched, load_snapshot, python_cmd, run, start, start_lighthouse,
+                      forked, free_port, kill_launched, load_snapshot, python_cmd, run, start, start_lighthouse,
                       torchrun_cmd)
 
 STEP = re.compile(r"^Step (\d+) \| groups (\d+) \| loss ([\d.]+)$", re.M)
@@ -253,7 +253,7 @@ BAD_FLAGS = [
     (["--replica_id", "0", "--steps", "0"], "--steps must be at least 1"),
 ]
 # The bad flags and the start without torchrun: each the script's command line in a process forked from one that
-# imported torch once (conftest.forked_runs), one process for all, kept on one worker. (Without a lighthouse the
+# imported torch once (conftest.forked), one process for all, kept on one worker. (Without a lighthouse the
 # group needs torchrun's own store, which torchft's Manager joins: test_no_lighthouse_is_one_line_within_seconds.)
 SAYS_ONE_LINE = pytest.mark.xdist_group("test_fault_tolerant_one_line")
 
@@ -263,7 +263,7 @@ def said(tmp_path_factory):
     """{name: CompletedProcess}, none in torchrun's environment."""
     cases = {f"bad {i}": ["fault_tolerant.py", args, None] for i, (args, _) in enumerate(BAD_FLAGS)}
     cases["without torchrun"] = ["fault_tolerant.py", ["--replica_id", "0"], None]
-    results = forked_runs(list(cases.values()), cwd=tmp_path_factory.mktemp("one-line"), timeout=120)
+    results = forked(list(cases.values()), cwd=tmp_path_factory.mktemp("one-line"), timeout=120)
     return dict(zip(cases, results))
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, load_snapshot, mpi_env,
-                      mpirun_cmd, python_cmd, run, summary, torchrun_cmd)
+from conftest import (assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, forked, load_snapshot,
+                      mpi_env, mpirun_cmd, python_cmd, run, summary, torchrun_cmd)
 
 import run_with_torchrun
 
@@ -116,48 +116,66 @@ def listening_socket():
     return sock
 
 
+# Each case: the script's command line under plain python (None), or the launcher's command, and the line it says.
+BAD_INPUT = {
+    "torchrun-script-without-torchrun": (("run_with_torchrun.py",), None,
+        "run_with_torchrun.py: error: start it with torchrun: torchrun --standalone --nproc_per_node=2 "
+        "run_with_torchrun.py", 2),
+    "world-size-0": (("run_with_python.py", "--world_size", "0"), None,
+        "run_with_python.py: error: --world_size and --timeout must be positive", 2),
+    "world-size-negative": (("run_with_python.py", "--world_size", "-3"), None,
+        "run_with_python.py: error: --world_size and --timeout must be positive", 2),
+    "unreachable-address": (("run_with_python.py", "--master_addr", "10.255.255.1"), None,
+        "run_with_python.py: error: cannot listen on 10.255.255.1 port any (Cannot assign requested address): give "
+        "an address of this machine (e.g. 127.0.0.1)", 2),
+    "unresolvable-address": (("run_with_python.py", "--master_addr", "no-such-host.invalid"), None,
+        "run_with_python.py: error: master address 'no-such-host.invalid' does not resolve", 2),
+    "python-nccl": (("run_with_python.py", "--backend", "nccl"), None,
+        "error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU", 1),
+    "python-mpi": (("run_with_python.py", "--backend", "mpi"), None,
+        "run_with_python.py: error: argument --backend: invalid choice: 'mpi'", 2),
+    "timeout-0": (("run_with_torchrun.py", "--timeout", "0"), None,
+        "run_with_torchrun.py: error: --timeout must be positive", 2),
+    "mpi-script-nccl": (("run_with_mpirun.py", "--backend", "nccl"), None,
+        "error: --backend nccl needs a CUDA GPU for each process", 1),
+    "mpirun-mpi-backend": (mpirun_cmd("run_with_mpirun.py", "--backend", "mpi"), mpi_env(),
+        "error: this torch build has no MPI backend", 1),
+    "spawn-script-under-mpirun": (mpirun_cmd("run_with_python.py", np_=1), mpi_env(),
+        "run_with_python.py: error: it starts its own processes: under a launcher every copy would start a job", 2),
+    "mpi-script-under-torchrun": (torchrun_cmd("run_with_mpirun.py", nproc=1), clean_env(),
+        "run_with_mpirun.py: error: it takes its ranks from mpirun, not torchrun", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def under_python(tmp_path_factory):
+    """The plain-python cases, and a --master_port that another process listens on: each its script's command line
+    in a child forked from one process that imported torch once (forked_runs), the taken port held meanwhile.
+    ({case: CompletedProcess}, the port)."""
+    cases = {name: [argv[0], list(argv[1:]), None] for name, (argv, env, _, _) in BAD_INPUT.items() if env is None}
+    with listening_socket() as taken:
+        port = taken.getsockname()[1]
+        cases["port-in-use"] = ["run_with_python.py", ["--master_port", port], None]
+        results = forked(list(cases.values()), cwd=tmp_path_factory.mktemp("under_python"))
+    return dict(zip(cases, results)), port
+
+
 @pytest.mark.quick
-@pytest.mark.parametrize("cmd, env, message, code", [
-    (python_cmd("run_with_torchrun.py"), clean_env(),
-     "run_with_torchrun.py: error: start it with torchrun: torchrun --standalone --nproc_per_node=2 "
-     "run_with_torchrun.py", 2),
-    (python_cmd("run_with_python.py", "--world_size", "0"), clean_env(),
-     "run_with_python.py: error: --world_size and --timeout must be positive", 2),
-    (python_cmd("run_with_python.py", "--world_size", "-3"), clean_env(),
-     "run_with_python.py: error: --world_size and --timeout must be positive", 2),
-    (python_cmd("run_with_python.py", "--master_addr", "10.255.255.1"), clean_env(),
-     "run_with_python.py: error: cannot listen on 10.255.255.1 port any (Cannot assign requested address): give "
-     "an address of this machine (e.g. 127.0.0.1)", 2),
-    (python_cmd("run_with_python.py", "--master_addr", "no-such-host.invalid"), clean_env(),
-     "run_with_python.py: error: master address 'no-such-host.invalid' does not resolve", 2),
-    (python_cmd("run_with_python.py", "--backend", "nccl"), clean_env(),
-     "error: --backend nccl needs a CUDA GPU for each process; leave --backend out for gloo on the CPU", 1),
-    (python_cmd("run_with_python.py", "--backend", "mpi"), clean_env(),
-     "run_with_python.py: error: argument --backend: invalid choice: 'mpi'", 2),
-    (python_cmd("run_with_torchrun.py", "--timeout", "0"), clean_env(),
-     "run_with_torchrun.py: error: --timeout must be positive", 2),
-    (python_cmd("run_with_mpirun.py", "--backend", "nccl"), clean_env(),
-     "error: --backend nccl needs a CUDA GPU for each process", 1),
-    (mpirun_cmd("run_with_mpirun.py", "--backend", "mpi"), mpi_env(),
-     "error: this torch build has no MPI backend", 1),
-    (mpirun_cmd("run_with_python.py", np_=1), mpi_env(),
-     "run_with_python.py: error: it starts its own processes: under a launcher every copy would start a job", 2),
-    (torchrun_cmd("run_with_mpirun.py", nproc=1), clean_env(),
-     "run_with_mpirun.py: error: it takes its ranks from mpirun, not torchrun", 1),
-], ids=["torchrun-script-without-torchrun", "world-size-0", "world-size-negative", "unreachable-address",
-        "unresolvable-address", "python-nccl", "python-mpi", "timeout-0", "mpi-script-nccl",
-        "mpirun-mpi-backend", "spawn-script-under-mpirun", "mpi-script-under-torchrun"])
-def test_bad_input_fails_fast_with_one_line(tmp_path, cmd, env, message, code):
-    result = run(cmd, cwd=tmp_path, env=env, timeout=60, check=False)
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_fails_fast_with_one_line(request, tmp_path, case):
+    cmd, env, message, code = BAD_INPUT[case]
+    if env is None:  # the script under plain python: a forked child's
+        result = request.getfixturevalue("under_python")[0][case]
+    else:
+        result = run(cmd, cwd=tmp_path, env=env, timeout=60, check=False)
     line = assert_one_line_error(result, code=code)  # mpirun passes its rank's code on; torchrun says 1
     assert line.startswith(message), line
 
 
 @pytest.mark.quick
-def test_port_in_use_is_refused_before_any_process_starts(tmp_path):
-    with listening_socket() as taken:
-        port = taken.getsockname()[1]
-        result = run(python_cmd("run_with_python.py", "--master_port", port), cwd=tmp_path, timeout=60, check=False)
+def test_port_in_use_is_refused_before_any_process_starts(under_python):
+    results, port = under_python
+    result = results["port-in-use"]
     line = assert_one_line_error(result)
     assert line.startswith(f"run_with_python.py: error: cannot listen on 127.0.0.1 port {port} (Address already "
                            "in use)"), line

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from conftest import (BIN, REPO, assert_one_line_error, clean_env, collectives_issued, epoch_lines, free_port,
+from conftest import (BIN, REPO, assert_one_line_error, clean_env, collectives_issued, epoch_lines, forked, free_port,
                       load_snapshot, python_cmd, rank_0_env, run, summary)
 
 from models_and_data import LinearClassifier
@@ -17,10 +17,11 @@ SMALL = ("--input_size", "20")
 DATASET = 4096  # torchrun_ddp.py's and ddp.py's synthetic dataset
 
 
-def torchrun_ddp_cmd(*args, script="torchrun_ddp.py"):
-    """The documented launch line (a static rendezvous on 127.0.0.1), on a free port instead of 29500."""
+def torchrun_ddp_cmd(*args, script="torchrun_ddp.py", backend="gloo"):
+    """The documented launch line (a static rendezvous on 127.0.0.1), on a free port instead of 29500; backend None:
+    the script's own choice."""
     return [BIN / "torchrun", "--nproc_per_node=2", "--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", REPO / script, "--backend", "gloo", *SMALL, *args]
+            f"--master_port={free_port()}", REPO / script, *(("--backend", backend) if backend else ()), *SMALL, *args]
 
 
 def accumulation_cmd(*args):
@@ -36,9 +37,11 @@ def assert_learned(lines, count):
 @pytest.fixture(scope="module")
 def big_batch_run(tmp_path_factory):
     """The base, 3 epochs of one batch of 64 per rank and step: the reference for learning, accumulation and
-    resume, and bf16's fp32 counterpart."""
+    resume, and bf16's fp32 counterpart. torch made to report 1 GPU (FAKE_GPUS) and the backend left to the script:
+    2 ranks on it, one too many, train on the CPU with gloo (test_more_ranks_on_a_node_than_gpus_is_refused)."""
     directory = tmp_path_factory.mktemp("big_batch")
-    result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64"), cwd=directory)
+    result = run(torchrun_ddp_cmd("--total_epochs", "3", "--batch_size", "64", backend=None), cwd=directory,
+                 env=clean_env(DDP_EXAMPLES_PROBE_FAKE_GPUS=1))
     return result, load_snapshot(directory / "torchrun_ddp.pt"), directory
 
 
@@ -182,67 +185,95 @@ def test_environment_wins_over_env_file(ddp_py_run):
     assert summary(out).epochs == 3
 
 
-@pytest.mark.parametrize("address, port, expected", [
+ENV_FILE_CASES = [
     ("127.0.0.1", "abc", "MASTER_PORT='abc' from {env}: expected a port number"),
     ("127.0.0.1", "70000", "MASTER_PORT='70000' from {env}: expected a port number, 1 to 65535"),
     ("no-such-host.invalid", "29500", "MASTER_ADDR='no-such-host.invalid' (from {env}) does not resolve"),
-])
-def test_ddp_py_bad_address_or_port_in_env_file(tmp_path, address, port, expected):
-    (tmp_path / ".env").write_text(f"MASTER_ADDR={address}\nMASTER_PORT={port}\n")
-    result = run(ddp_py(), cwd=tmp_path, check=False, timeout=60)
-    assert_one_line_error(result, expected.format(env=tmp_path / ".env"), code=1)
-    assert len(result.stderr.strip().splitlines()) == 1
-
-
-def test_ddp_py_port_in_use(tmp_path):
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        (tmp_path / ".env").write_text(f"MASTER_PORT={port}\n")
-        result = run(ddp_py(), cwd=tmp_path, check=False, timeout=60)
-    assert_one_line_error(result, f"port {port} on 127.0.0.1 is already in use", code=1)
-
-
-@pytest.mark.quick
-def test_ddp_py_missing_env_file_named(tmp_path):
-    result = run(ddp_py("--env_file", "absent.env"), cwd=tmp_path, check=False, timeout=60)
-    assert_one_line_error(result, f"env file {tmp_path / 'absent.env'} not found", code=1)
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("flag, value, expected", [
+]
+DDP_PY_FLAGS = [
     ("--backend", "foo", "invalid choice: 'foo'"),
     ("--input_size", "0", "--input_size: must be a positive integer, got 0"),
     ("--batch_size", "-4", "--batch_size: must be a positive integer, got -4"),
     ("--epochs", "0", "--total_epochs/--epochs: must be a positive integer, got 0"),
-])
-def test_ddp_py_bad_flags(tmp_path, flag, value, expected):
-    result = run(python_cmd("ddp.py", flag, value), cwd=tmp_path, check=False, timeout=60)
-    assert_one_line_error(result, expected)
-
-
+]
 # torchrun_ddp.py's own flags, and the accumulation example's (by_feature/ files copy the base's parser).
-@pytest.mark.parametrize("script, flag, value, expected", [
+TORCHRUN_DDP_FLAGS = [
     ("torchrun_ddp.py", "--backend", "foo", "invalid choice: 'foo'"),
     ("torchrun_ddp.py", "--total_epochs", "-1", "--total_epochs/--epochs: must be a positive integer, got -1"),
     ("torchrun_ddp.py", "--batch_size", "x", "--batch_size: must be a positive integer, got x"),
     ("torchrun_ddp.py", "--timeout", "0", "--timeout and --lr must be positive"),
     ("by_feature/gradient_accumulation.py", "--accumulation_steps", "0",
      "--accumulation_steps: must be a positive integer, got 0"),
-])
-def test_torchrun_ddp_bad_flags(tmp_path, script, flag, value, expected):
-    result = run(python_cmd(script, flag, value), cwd=tmp_path, check=False, timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """The bad-input cases below, which stop before any process starts: each its script's command line in a folder
+    of its own (where ddp.py looks for its .env), in a child forked from one process that imported torch once
+    (forked_runs); the port of the .env in use held by a listener meanwhile. ({case: (CompletedProcess, folder)},
+    that port)."""
+    root = tmp_path_factory.mktemp("refused")
+    cases = {("env file", address, port): ["ddp.py", ddp_py()[2:]] for address, port, _ in ENV_FILE_CASES}
+    cases.update({("flag", "ddp.py", flag, value): ["ddp.py", [flag, value]] for flag, value, _ in DDP_PY_FLAGS})
+    cases.update({("flag", script, flag, value): [script, [flag, value]] for script, flag, value, _ in
+                  TORCHRUN_DDP_FLAGS})
+    cases.update({("port in use",): ["ddp.py", ddp_py()[2:]], ("absent env file",): ["ddp.py", ddp_py(
+        "--env_file", "absent.env")[2:]], ("nccl",): ["ddp.py", ["--backend", "nccl"]]})
+    folders = {}
+    for i, (key, case) in enumerate(cases.items()):
+        folders[key] = root / str(i)
+        folders[key].mkdir()
+        case += [None, {"cwd": folders[key]}]
+    for address, port, _ in ENV_FILE_CASES:
+        (folders[("env file", address, port)] / ".env").write_text(f"MASTER_ADDR={address}\nMASTER_PORT={port}\n")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        (folders[("port in use",)] / ".env").write_text(f"MASTER_PORT={port}\n")
+        results = forked(list(cases.values()), cwd=root)
+    return {key: (result, folders[key]) for key, result in zip(cases, results)}, port
+
+
+@pytest.mark.parametrize("address, port, expected", ENV_FILE_CASES)
+def test_ddp_py_bad_address_or_port_in_env_file(refused, address, port, expected):
+    result, folder = refused[0][("env file", address, port)]
+    assert_one_line_error(result, expected.format(env=folder / ".env"), code=1)
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_ddp_py_port_in_use(refused):
+    (result, _), port = refused[0][("port in use",)], refused[1]
+    assert_one_line_error(result, f"port {port} on 127.0.0.1 is already in use", code=1)
+
+
+@pytest.mark.quick
+def test_ddp_py_missing_env_file_named(refused):
+    result, folder = refused[0][("absent env file",)]
+    assert_one_line_error(result, f"env file {folder / 'absent.env'} not found", code=1)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flag, value, expected", DDP_PY_FLAGS)
+def test_ddp_py_bad_flags(refused, flag, value, expected):
+    result, _ = refused[0][("flag", "ddp.py", flag, value)]
     assert_one_line_error(result, expected)
 
 
-def test_ddp_py_nccl_without_gpus_says_use_gloo(tmp_path):
-    result = run(python_cmd("ddp.py", "--backend", "nccl"), cwd=tmp_path, check=False, timeout=60)
+@pytest.mark.parametrize("script, flag, value, expected", TORCHRUN_DDP_FLAGS)
+def test_torchrun_ddp_bad_flags(refused, script, flag, value, expected):
+    result, _ = refused[0][("flag", script, flag, value)]
+    assert_one_line_error(result, expected)
+
+
+def test_ddp_py_nccl_without_gpus_says_use_gloo(refused):
+    result, _ = refused[0][("nccl",)]
     assert_one_line_error(result, "backend nccl needs CUDA GPUs", "--backend gloo")
 
 
 @pytest.mark.parametrize("script", ["ddp.py", "torchrun_ddp.py"])
-def test_more_ranks_on_a_node_than_gpus_is_refused(tmp_path, script):
+def test_more_ranks_on_a_node_than_gpus_is_refused(request, tmp_path, script):
     """torch is made to report 1 GPU and NCCL (the check runs before any GPU is touched), also on a machine with
     GPUs: the tests' launches have those hidden. 2 ranks on it: one too many, as 9 on 8 GPUs."""
     env, ranks = clean_env(DDP_EXAMPLES_PROBE_FAKE_GPUS=1), 2
@@ -253,12 +284,11 @@ def test_more_ranks_on_a_node_than_gpus_is_refused(tmp_path, script):
     else:  # torchrun_ddp.py trains them all on the CPU (a Mac has one mps device), where NCCL cannot run
         # The refusal comes before the process group: rank 0 of 2 alone, in the environment torchrun gives it, says
         # what every rank would (a rank that went on would wait for the others until the timeout). The training
-        # below is under torchrun itself.
+        # under torchrun itself, with the backend left to the script, is the shared reference run's (big_batch_run).
         result = run(python_cmd(script, *SMALL, "--backend", "nccl"), cwd=tmp_path, check=False, timeout=90,
                      env=rank_0_env(ranks, DDP_EXAMPLES_PROBE_FAKE_GPUS=1))
         assert_one_line_error(result, "--backend nccl needs a CUDA GPU for each process", "gloo on the CPU", code=1)
-        torchrun = [BIN / "torchrun", "--standalone", f"--nproc_per_node={ranks}", REPO / script, *SMALL]
-        out = run([*torchrun, "--total_epochs", "1"], cwd=tmp_path, env=env, timeout=120).stdout
+        out = request.getfixturevalue("big_batch_run")[0].stdout
         assert f"{ranks} ranks | " in out and "| device cpu" in out, out[-2000:]
         assert (summary(out).world_size, summary(out).backend) == (ranks, "gloo")
 

@@ -1,9 +1,11 @@
 """What a new user runs into, under the real launchers: snapshot paths that cannot be written (found before the
 first step, in one line, by every script that writes), mpirun from a venv that is not activated, a
-node whose peers never come.
+node whose peers never come. (The tutorial's steps in one folder: test_tutorial.py, on its shared runs.)
 """
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -11,8 +13,7 @@ import time
 import pytest
 
 from conftest import (BIN, MNIST, REPO, assert_one_line_error, clean_env, epoch_lines, free_port, mpi_env, python_cmd,
-                      rank_0_env, run, torchrun_cmd)
-from support.launching import LAUNCHER_VARIABLES
+                      run, torchrun_cmd)
 
 # Every script that writes a snapshot, checkpoints or an output directory, with the flag that says where, under
 # the launcher it is made for.
@@ -69,45 +70,27 @@ def test_proc_is_found_before_training(tmp_path, script):
 @pytest.mark.slow
 def test_a_read_only_mount_is_found_before_training(tmp_path):
     """A read-only filesystem, mounted in a mount namespace of the test's own (the host's mounts stay as they
-    were): every writer stops at once, naming it. One namespace, all scripts, so it costs one mount. The torchrun
-    scripts run as rank 0 of 2 alone, in the environment torchrun gives it: the check is rank 0's, before the process
-    group (one that waited for the group would wait for rank 1 until the launch's timeout), and the tests above
-    refuse each of them under torchrun itself (2 ranks and the agent: 7 CPU-s a script more)."""
+    were): every writer stops at once, naming it. One namespace, all scripts, so it costs one mount; each script's
+    command line in a child forked from one process there that imported torch and train.py's modules once
+    (tests/support/forked_runs.py). The torchrun scripts run as rank 0 of 2 alone, in the environment torchrun gives
+    it: the check is rank 0's, before the process group (one that waited for the group would wait for rank 1 until
+    the launch's timeout), and the tests above refuse each of them under torchrun itself (2 ranks and the agent:
+    7 CPU-s a script more)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("mount namespaces need root and unshare (util-linux)")
     read_only = tmp_path / "read-only"
     read_only.mkdir()
-    results = tmp_path / "results"
-    results.mkdir()
-    lines = []
-    rank_0 = [f"{name}={value}" for name, value in rank_0_env(2).items() if name in LAUNCHER_VARIABLES]
-    for script, (command, flag) in WRITERS.items():
-        argv = python_cmd(script, "--total_epochs" if script != "train.py" else "--num_train_epochs", "2", flag,
-                          read_only / "out", *EXTRA.get(script, ()))
-        if command is torchrun_cmd:
-            argv = ["env", *rank_0, *argv]
-        out = results / script.replace("/", "_")
-        lines.append(" ".join(f"'{a}'" for a in argv) + f" > '{out}.out' 2> '{out}.err'; echo $? > '{out}.rc'")
-    shell = f"mount -t tmpfs -o ro tmpfs '{read_only}' && " + " ; ".join(lines)
-    run(["unshare", "--mount", "--propagation", "private", "sh", "-c", shell], cwd=tmp_path, timeout=600)
-    for script in WRITERS:
-        name = script.replace("/", "_")
-        result = subprocess.CompletedProcess(script, int((results / f"{name}.rc").read_text()),
-                                             (results / f"{name}.out").read_text(),
-                                             (results / f"{name}.err").read_text())
-        assert_refused_before_training(result, str(read_only / "out"), ("Read-only file system",))
-
-
-@pytest.mark.slow  # four launches of steps that test_tutorial.py runs one by one
-def test_the_tutorial_in_order_in_one_folder(tmp_path):
-    """Each step writes its own snapshot: step 2 after step 1 trains, it does not find step 1's finished run;
-    going on from step 1's snapshot is a flag."""
-    run(python_cmd("singlegpu.py", "4", "2"), cwd=tmp_path)
-    out = run(python_cmd("multigpu.py", "4", "2"), cwd=tmp_path).stdout
-    assert [line.epoch for line in epoch_lines(out)] == [0, 1, 2, 3]
-    out = run(python_cmd("multigpu.py", "6", "2", "--snapshot_path", "singlegpu.pt"), cwd=tmp_path).stdout
-    assert "Resuming from singlegpu.pt at epoch 4" in out and [line.epoch for line in epoch_lines(out)] == [4, 5]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["multigpu.pt", "singlegpu.pt"]
+    cases = [[script, ["--total_epochs" if script != "train.py" else "--num_train_epochs", "2", flag,
+                       str(read_only / "out"), *EXTRA.get(script, ())], 2 if command is torchrun_cmd else None]
+             for script, (command, flag) in WRITERS.items()]
+    forked = shlex.join(map(str, python_cmd(REPO / "tests" / "support" / "forked_runs.py", json.dumps(cases), "train")))
+    done = run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                f"mount -t tmpfs -o ro tmpfs '{read_only}' && {forked}"], cwd=tmp_path, timeout=600)
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert len(said) == len(WRITERS), done.stdout[-3000:]
+    for script, result in zip(WRITERS, said):
+        assert_refused_before_training(subprocess.CompletedProcess(script, *result), str(read_only / "out"),
+                                       ("Read-only file system",))
 
 
 def test_mpirun_from_a_venv_that_is_not_activated(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, finish, forked_runs,
+from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, clean_env, finish, forked,
                       free_port, listening, load_snapshot, python_cmd, run, start, torchrun_cmd)
 
 SYNC = re.compile(r"^(?:\[site (\d)\] )?Sync (\d+) \| step (\d+) \| groups (\d+) \| sent (\d+) B \| loss ([\d.]+)$",
@@ -65,8 +65,8 @@ BAD_FLAGS = [
 @pytest.fixture(scope="module")
 def said(tmp_path_factory):
     """Each bad command line of diloco.py in a process forked from one that imported torch once
-    (conftest.forked_runs), one process for all; the tests that read it kept on one worker."""
-    return forked_runs([["diloco.py", ["--replica_id", "0", *args], None] for args, _ in BAD_FLAGS],
+    (conftest.forked), one process for all; the tests that read it kept on one worker."""
+    return forked([["diloco.py", ["--replica_id", "0", *args], None] for args, _ in BAD_FLAGS],
                        cwd=tmp_path_factory.mktemp("one-line"))
 
 

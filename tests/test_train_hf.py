@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from safetensors.torch import load_file
-from conftest import (MNIST, assert_bitwise_equal, assert_one_line_error, clean_env, free_port, load_snapshot, mpi_env,
-                      mpirun_cmd, python_cmd, run, summary, torchrun_cmd, write_idx)
+from conftest import (MNIST, assert_bitwise_equal, assert_one_line_error, clean_env, forked, free_port, load_snapshot,
+                      mpi_env, mpirun_cmd, python_cmd, run, summary, torchrun_cmd, write_idx)
 from models_and_data import load_mnist, read_idx
 from train import SimpleCNN, collate, load_splits
 
@@ -118,35 +119,68 @@ def test_python_run_writes_the_trainer_outputs_and_learns(one_epoch_run, mnist_d
     assert accuracy_of_saved_model(output_dir, mnist_dir, 256) == pytest.approx(results["eval_accuracy"], abs=1e-3)
 
 
-@pytest.mark.slow
-def test_mpirun_two_ranks_on_a_saved_dataset(one_epoch_run, mnist_dir, tmp_path):
-    """mpirun, with the data as a save_to_disk DatasetDict shaped like the Hub's (PNG-encoded images, ClassLabel)."""
+EVAL_SIZE = 1001  # neither 2 nor 3 divides it
+
+
+@pytest.fixture(scope="module")
+def mpirun_run(mnist_dir, tmp_path_factory):
+    """train.py under mpirun at 2 ranks on a save_to_disk DatasetDict shaped like the Hub's (PNG-encoded images,
+    ClassLabel): 512 training images, 1001 evaluation images (2 does not divide them), 1 epoch, each rank's weights
+    saved by the probe. (folder, CompletedProcess, {split: the digits as saved})."""
+    folder = tmp_path_factory.mktemp("mpirun")
     features = Features({"image": Image(), "label": ClassLabel(names=[str(d) for d in range(10)])})
     splits, originals = DatasetDict(), {}
-    for name, count in (("train", 512), ("test", 256)):
+    for name, count in (("train", 512), ("test", EVAL_SIZE)):
         images, labels = load_mnist(str(mnist_dir), name)
         originals[name] = images[:count].numpy()
         splits[name] = Dataset.from_dict({"image": list(originals[name]), "label": labels[:count]}, features=features)
-    splits.save_to_disk(str(tmp_path / "saved"))
+    splits.save_to_disk(str(folder / "saved"))
+    weights = folder / "weights"
+    weights.mkdir()
+    result = run(mpirun_cmd("train.py", "--data_dir", folder / "saved", "--output_dir", folder / "out", *TINY,
+                            "--max_eval_samples", str(EVAL_SIZE), "--ddp_timeout", "60"), cwd=folder,
+                 env=mpi_env(DDP_EXAMPLES_PROBE_WEIGHTS=weights), timeout=200)
+    return folder, result, originals
+
+
+@pytest.mark.slow
+def test_mpirun_two_ranks_on_a_saved_dataset(one_epoch_run, mpirun_run):
+    """mpirun, with the data as a save_to_disk DatasetDict shaped like the Hub's (PNG-encoded images, ClassLabel)."""
+    tmp_path, result, originals = mpirun_run
     # What train.py reads back from disk is every digit as it was, pixel for pixel.
     loaded, _ = load_splits(str(tmp_path / "saved"))
     for name, images in originals.items():
         assert np.array_equal(np.stack([row["image"] for row in loaded[name]]).reshape(images.shape), images), name
 
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    result = run(mpirun_cmd("train.py", "--data_dir", tmp_path / "saved", "--output_dir", tmp_path / "out", *TINY,
-                            "--ddp_timeout", "60"), cwd=tmp_path, env=mpi_env(DDP_EXAMPLES_PROBE_WEIGHTS=weights),
-                 timeout=200)
     # The same 512 images as the one-process run: each rank takes half of every batch, so half the steps.
     assert trained(result.stdout) == (1.0, 4, 2, "gloo")
     one_process_steps = trainer_state(one_epoch_run[0] / "checkpoint-8")["global_step"]
     assert trainer_state(tmp_path / "out")["global_step"] * 2 == one_process_steps
     # Each rank's weights as the probe saved them after train() (tests/support/sitecustomize.py), not the
     # script's own check: DDP kept the two ranks bit-identical, and rank 0 saved that model.
+    weights = tmp_path / "weights"
     rank0, rank1 = (load_snapshot(weights / f"rank{r}.pt") for r in (0, 1))
     assert_bitwise_equal(rank0, rank1, "weights of rank 0 and rank 1")
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), rank0, "saved model")
+
+
+@pytest.mark.slow
+def test_trainer_evaluation_counts_each_image_once(mpirun_run):
+    """train.py at 2 ranks on 1001 evaluation images (2 does not divide it; the mpirun run): the Trainer's figures
+    are those of one process scoring the saved model on all 1001 here, each image once: accuracy as a count, and the
+    loss (train.py's own, in place of the Trainer's per-batch average)."""
+    folder = mpirun_run[0]
+    metrics = json.loads((folder / "out" / "eval_results.json").read_text())
+    model = SimpleCNN()
+    model.load_state_dict(load_file(folder / "out" / "model.safetensors"))
+    splits, _ = load_splits(str(folder / "saved"))
+    batch = collate([splits["test"][i] for i in range(EVAL_SIZE)])
+    with torch.no_grad():
+        logits = model(batch["image"])["logits"]
+    correct = int((logits.argmax(-1) == batch["labels"]).sum())
+    assert (metrics["eval_scored"], metrics["eval_correct"]) == (EVAL_SIZE, correct)
+    assert metrics["eval_accuracy"] == correct / EVAL_SIZE
+    assert metrics["eval_loss"] == pytest.approx(F.cross_entropy(logits.double(), batch["labels"]).item(), abs=1e-5)
 
 
 def test_resume_from_the_last_checkpoint(one_epoch_run, mnist_dir):
@@ -166,34 +200,58 @@ def test_resume_from_the_last_checkpoint(one_epoch_run, mnist_dir):
     assert [entry["epoch"] for entry in state["log_history"] if "eval_accuracy" in entry] == [1.0, 2.0]
 
 
+MISSING = ["train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+
+
+@pytest.fixture(scope="module")
+def refused(mnist_dir, tmp_path_factory):
+    """train.py's command lines that stop before any work: no --data_dir with an empty cache in offline mode, and a
+    folder that lacks one of the four files. Each in a child forked from one process that imported train.py's modules
+    (transformers) once (forked_runs), that process in offline mode with an empty cache; in folders of their own.
+    {case: (CompletedProcess, folder)}."""
+    root = tmp_path_factory.mktemp("refused")
+    cases, folders = {}, {}
+    folders["offline"] = root / "offline"
+    folders["offline"].mkdir()
+    cases["offline"] = ["train.py", ["--output_dir", folders["offline"] / "out"], None, {"cwd": folders["offline"]}]
+    for missing in MISSING:
+        folders[missing] = root / missing
+        data = folders[missing] / "data"
+        data.mkdir(parents=True)
+        for path in mnist_dir.glob("*.gz"):
+            if not path.name.startswith(missing):
+                (data / path.name).write_bytes(path.read_bytes())
+        cases[missing] = ["train.py", ["--data_dir", data, "--output_dir", folders[missing] / "out"], None,
+                          {"cwd": folders[missing]}]
+    results = forked(list(cases.values()), cwd=root, env=clean_env(HF_HOME=root / "hf", HF_HUB_OFFLINE=1),
+                     modules=["train"])
+    return {key: (result, folders[key]) for key, result in zip(cases, results)}
+
+
 # Unreachable, the Hub's client retries for some 25 s before the line: that variant runs in the whole suite only.
 @pytest.mark.parametrize("offline", [pytest.param(True, id="HF_HUB_OFFLINE"),
                                      pytest.param(False, id="hub-unreachable", marks=pytest.mark.slow)])
-def test_no_data_without_a_network_says_how_to_get_it(tmp_path, offline):
-    """An empty cache, and either offline mode or a Hub address where nobody listens (no network here or not)."""
-    env = clean_env(HF_HOME=tmp_path / "hf")
+def test_no_data_without_a_network_says_how_to_get_it(request, tmp_path, offline):
+    """An empty cache, and either offline mode (`refused`) or a Hub address where nobody listens (no network here
+    or not)."""
+    start = time.perf_counter()
     if offline:
-        env["HF_HUB_OFFLINE"] = "1"
+        result, _ = request.getfixturevalue("refused")["offline"]
     else:
+        env = clean_env(HF_HOME=tmp_path / "hf")
         env.pop("HF_HUB_OFFLINE", None)
         env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
-    start = time.perf_counter()
-    result = run(python_cmd("train.py", "--output_dir", tmp_path / "out"), cwd=tmp_path, env=env, check=False)
+        result = run(python_cmd("train.py", "--output_dir", tmp_path / "out"), cwd=tmp_path, env=env, check=False)
     assert_one_line_error(result, "ylecun/mnist", "--data_dir", "save_to_disk", code=1)
     print(f"failed in {time.perf_counter() - start:.1f}s: {result.stderr.strip()}")
 
 
-@pytest.mark.parametrize("missing", ["train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"])
-def test_a_missing_file_is_one_line_naming_it(mnist_dir, tmp_path, missing):
+@pytest.mark.parametrize("missing", MISSING)
+def test_a_missing_file_is_one_line_naming_it(refused, missing):
     """Three of the four files: the error names the one that is not there, and where it was looked for (with
     neither training file, the folder is a test set alone: test_the_shipped_test_set_trains_as_documented)."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for path in mnist_dir.glob("*.gz"):
-        if not path.name.startswith(missing):
-            (data / path.name).write_bytes(path.read_bytes())
-    result = run(python_cmd("train.py", "--data_dir", data, "--output_dir", tmp_path / "out"), cwd=tmp_path,
-                 check=False)
+    result, folder = refused[missing]
+    data = folder / "data"
     assert_one_line_error(result, f"MNIST file {missing}[.gz] not found in {data} or {data}/MNIST/raw", "--data_dir",
                           code=1)
 

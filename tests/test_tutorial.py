@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import (BIN, REPO, assert_bitwise_equal, assert_one_line_error, assert_same_training_state, clean_env,
-                      epoch_lines, epoch_losses, finish, free_port, load_snapshot, python_cmd, run, start, summary,
-                      torchrun_cmd)
+                      epoch_lines, epoch_losses, finish, forked, free_port, load_snapshot, python_cmd, run, start,
+                      summary, torchrun_cmd)
 from models_and_data import MLP
 
 
@@ -56,9 +56,19 @@ def test_singlegpu_positional_form_resumes_bitwise(singlegpu_six_epochs, tmp_pat
     assert (stopped / "singlegpu.pt").read_bytes() == finished
 
 
-def test_multigpu_spawns_ranks_logs_once_and_learns(tmp_path):
+@pytest.fixture(scope="module")
+def multigpu_after_singlegpu(singlegpu_six_epochs, tmp_path_factory):
+    """Step 2, 4 epochs of 2 spawned ranks, in the folder where step 1 ran (its 6-epoch snapshot, copied): (folder,
+    stdout)."""
+    folder = tmp_path_factory.mktemp("multigpu")
+    shutil.copy(singlegpu_six_epochs[0] / "singlegpu.pt", folder / "singlegpu.pt")
     out = run(python_cmd("multigpu.py", "--total_epochs", "4", "--save_every", "2", "--world_size", "2",
-                         "--batch_size", "32"), cwd=tmp_path).stdout
+                         "--batch_size", "32"), cwd=folder).stdout
+    return folder, out
+
+
+def test_multigpu_spawns_ranks_logs_once_and_learns(multigpu_after_singlegpu):
+    tmp_path, out = multigpu_after_singlegpu
     assert epochs(out) == [0, 1, 2, 3], "rank 0 alone logs, once per epoch"
     steps = {line.steps for line in epoch_lines(out)}
     assert steps == {2048 // (32 * 2)}, "each rank sees half of the data"
@@ -68,16 +78,28 @@ def test_multigpu_spawns_ranks_logs_once_and_learns(tmp_path):
     assert load_snapshot(tmp_path / "multigpu.pt")["epochs_run"] == 4
 
 
+@pytest.mark.slow
+def test_the_tutorial_in_order_in_one_folder(multigpu_after_singlegpu, tmp_path):
+    """Each step writes its own snapshot: step 2 after step 1 trains (the shared run: epochs 0 to 3 beside step 1's
+    finished snapshot), it does not find step 1's finished run; going on from step 1's snapshot is a flag."""
+    assert epochs(multigpu_after_singlegpu[1]) == [0, 1, 2, 3]
+    shutil.copytree(multigpu_after_singlegpu[0], tmp_path, dirs_exist_ok=True)  # the fixture's own stays as it ended
+    out = run(python_cmd("multigpu.py", "8", "2", "--snapshot_path", "singlegpu.pt"), cwd=tmp_path).stdout
+    assert "Resuming from singlegpu.pt at epoch 6" in out and epochs(out) == [6, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multigpu.pt", "singlegpu.pt"]
+
+
 TWO_RANKS = ("--save_every", "2", "--batch_size", "16")
 
 
 @pytest.fixture(scope="module")
 def two_ranks_two_epochs(tmp_path_factory):
     """Step 3, 2 ranks, 2 epochs of batches of 16: (folder, stdout); its snapshot ddp.pt. The reference of one
-    process with batch 32, and the first half of the resume below."""
+    process with batch 32, the first half of the resume below, and, on a Mac (FAKE_MPS: torch reports one mps
+    device, tests/support/sitecustomize.py), 2 processes on 1 device."""
     folder = tmp_path_factory.mktemp("two_ranks")
     out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "2", *TWO_RANKS, "--snapshot_path", "ddp.pt"),
-              cwd=folder).stdout
+              cwd=folder, env=clean_env(DDP_EXAMPLES_PROBE_FAKE_MPS=1)).stdout
     return folder, out
 
 
@@ -187,49 +209,83 @@ def test_multinode_two_agents_form_one_job_and_refuse_a_snapshot_of_another_run(
 # ---- bad input: one line, non-zero exit, in seconds, no snapshot lost ----
 
 
+NON_POSITIVE = [("--total_epochs", "0", "must be positive"), ("--batch_size", "-4", "must be positive"),
+                ("--save_every", "0", "must be positive"), ("--timeout", "0", "must be positive"),
+                ("--world_size", "0", "--world_size must be positive"),
+                ("--batch_size", "ten", "invalid int value: 'ten'")]
+UNDER_PLAIN_PYTHON = ["multigpu_torchrun.py", "multinode.py", "fsdp.py"]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """The bad-input cases below that stop before any process starts or any group forms, each its script's command
+    line in a folder of its own, in a child forked from one process that imported torch once (forked_runs): {case:
+    (CompletedProcess, folder)}. multigpu_torchrun.py's nccl refusal as rank 0 of 2 alone, in the environment
+    torchrun gives it: the check comes before the process group, and every rank makes it alike."""
+    root = tmp_path_factory.mktemp("refused")
+    cases = {("nccl", "multigpu_torchrun.py"): ["multigpu_torchrun.py", ["--backend", "nccl", "--total_epochs", "1"],
+                                                2],
+             ("corrupt",): ["singlegpu.py", ["--total_epochs", "2"], None]}
+    cases.update({("number", flag, value): ["multigpu.py", [flag, value], None] for flag, value, _ in NON_POSITIVE})
+    cases.update({("plain", script): [script, [], None] for script in UNDER_PLAIN_PYTHON})
+    folders = {}
+    for i, key in enumerate(cases):
+        folders[key] = root / str(i)
+        folders[key].mkdir()
+        cases[key].append({"cwd": folders[key]})
+    (folders[("corrupt",)] / "singlegpu.pt").write_bytes(b"not a snapshot at all")
+    results = forked(list(cases.values()), cwd=root)
+    return {key: (result, folders[key]) for key, result in zip(cases, results)}
+
+
+# ---- bad input: one line, non-zero exit, in seconds, no snapshot lost ----
+
+
 @pytest.mark.quick
-@pytest.mark.parametrize("launch", [python_cmd, torchrun_cmd], ids=["multigpu.py", "multigpu_torchrun.py"])
-def test_nccl_without_gpu_says_use_gloo(tmp_path, launch):
-    script = "multigpu.py" if launch is python_cmd else "multigpu_torchrun.py"
-    result = run(launch(script, "--backend", "nccl", "--total_epochs", "1"), cwd=tmp_path, check=False, timeout=60)
+@pytest.mark.parametrize("script", ["multigpu.py", "multigpu_torchrun.py"])
+def test_nccl_without_gpu_says_use_gloo(request, tmp_path, script):
+    """multigpu.py's ranks check it (mp.spawn starts them first), under the script's own launch;
+    multigpu_torchrun.py's rank 0 of 2 alone (`refused`)."""
+    if script == "multigpu.py":
+        result, folder = run(python_cmd(script, "--backend", "nccl", "--total_epochs", "1"), cwd=tmp_path, check=False,
+                             timeout=60), tmp_path
+    else:
+        result, folder = request.getfixturevalue("refused")[("nccl", script)]
     assert_one_line_error(result, "--backend nccl needs a CUDA GPU", "leave --backend out for gloo", code=1)
-    assert not (tmp_path / f"{script[:-3]}.pt").exists()
+    assert not (folder / f"{script[:-3]}.pt").exists()
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("flag,value,said", [("--total_epochs", "0", "must be positive"),
-                                             ("--batch_size", "-4", "must be positive"),
-                                             ("--save_every", "0", "must be positive"),
-                                             ("--timeout", "0", "must be positive"),
-                                             ("--world_size", "0", "--world_size must be positive"),
-                                             ("--batch_size", "ten", "invalid int value: 'ten'")])
-def test_non_positive_numbers_are_refused(tmp_path, flag, value, said):
-    result = run(python_cmd("multigpu.py", flag, value), cwd=tmp_path, check=False, timeout=30)
+@pytest.mark.parametrize("flag,value,said", NON_POSITIVE)
+def test_non_positive_numbers_are_refused(refused, flag, value, said):
+    result, folder = refused[("number", flag, value)]
     assert_one_line_error(result, "multigpu.py: error: ", flag, said)
-    assert not (tmp_path / "multigpu.pt").exists()
+    assert not (folder / "multigpu.pt").exists()
 
 
 @pytest.mark.quick
-def test_corrupt_snapshot_is_reported_and_kept(tmp_path):
-    (tmp_path / "singlegpu.pt").write_bytes(b"not a snapshot at all")
-    result = run(python_cmd("singlegpu.py", "--total_epochs", "2"), cwd=tmp_path, check=False, timeout=30)
+def test_corrupt_snapshot_is_reported_and_kept(refused):
+    result, folder = refused[("corrupt",)]
     assert_one_line_error(result, "cannot read the snapshot singlegpu.pt (UnpicklingError: truncated, or not a "
                                   "snapshot); move it away", code=1)
-    assert (tmp_path / "singlegpu.pt").read_bytes() == b"not a snapshot at all"
+    assert (folder / "singlegpu.pt").read_bytes() == b"not a snapshot at all"
 
 
 def test_truncated_and_foreign_snapshots_are_named_as_such(singlegpu_six_epochs, tmp_path):
     """A snapshot cut short (a copy interrupted, a full disk: half of the shared run's) and a file torch.save wrote
-    that is no snapshot of these scripts: each one line that names it, and the file is kept."""
+    that is no snapshot of these scripts: each one line that names it, and the file is kept. Both in children
+    forked from one process (forked_runs), each in a folder of its own."""
     whole = (singlegpu_six_epochs[0] / "singlegpu.pt").read_bytes()
-    (tmp_path / "singlegpu.pt").write_bytes(whole[:len(whole) // 2])
-    result = run(python_cmd("singlegpu.py", "8", "1"), cwd=tmp_path, check=False, timeout=30)
-    assert_one_line_error(result, "cannot read the snapshot singlegpu.pt (", "truncated, or not a snapshot", code=1)
-    assert (tmp_path / "singlegpu.pt").read_bytes() == whole[:len(whole) // 2]
-    torch.save({"weights": torch.zeros(3)}, tmp_path / "singlegpu.pt")
-    result = run(python_cmd("singlegpu.py", "8", "1"), cwd=tmp_path, check=False, timeout=30)
-    assert_one_line_error(result, "the snapshot singlegpu.pt is of another model or optimizer ('model')", code=1)
-    assert load_snapshot(tmp_path / "singlegpu.pt").keys() == {"weights"}
+    cut, foreign = tmp_path / "cut", tmp_path / "foreign"
+    cut.mkdir(), foreign.mkdir()
+    (cut / "singlegpu.pt").write_bytes(whole[:len(whole) // 2])
+    torch.save({"weights": torch.zeros(3)}, foreign / "singlegpu.pt")
+    truncated, other = forked([["singlegpu.py", ["8", "1"], None, {"cwd": cut}],
+                               ["singlegpu.py", ["8", "1"], None, {"cwd": foreign}]], cwd=tmp_path)
+    assert_one_line_error(truncated, "cannot read the snapshot singlegpu.pt (", "truncated, or not a snapshot", code=1)
+    assert (cut / "singlegpu.pt").read_bytes() == whole[:len(whole) // 2]
+    assert_one_line_error(other, "the snapshot singlegpu.pt is of another model or optimizer ('model')", code=1)
+    assert load_snapshot(foreign / "singlegpu.pt").keys() == {"weights"}
 
 
 def test_snapshot_of_another_model_is_reported_and_kept(tmp_path):
@@ -246,21 +302,21 @@ def test_snapshot_of_another_model_is_reported_and_kept(tmp_path):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("script", ["multigpu_torchrun.py", "multinode.py", "fsdp.py"])
-def test_torchrun_script_under_plain_python_says_how_to_launch(tmp_path, script):
-    result = run(python_cmd(script), cwd=tmp_path, check=False, timeout=30)
+@pytest.mark.parametrize("script", UNDER_PLAIN_PYTHON)
+def test_torchrun_script_under_plain_python_says_how_to_launch(refused, script):
+    result, _ = refused[("plain", script)]
     assert_one_line_error(result, f"start it with torchrun: torchrun --standalone --nproc_per_node=2 {REPO / script}")
 
 
-def test_more_processes_than_devices_train_on_the_cpu(tmp_path):
+def test_more_processes_than_devices_train_on_the_cpu(two_ranks_two_epochs, tmp_path):
     """A Mac: torch reports one mps device (the probe DDP_EXAMPLES_PROBE_FAKE_MPS in tests/support/sitecustomize.py,
-    loaded by every launched process). Two processes under torchrun do not share it: both train on the CPU, with
-    gloo, and the first line says so."""
+    loaded by every launched process). Two processes under torchrun (the shared 2-rank run, launched so) do not share
+    it: both train on the CPU, with gloo, and the first line says so."""
     env = clean_env(DDP_EXAMPLES_PROBE_FAKE_MPS=1)
     seen = run([BIN / "python", "-c", "import torch; print(torch.accelerator.current_accelerator("
                 "check_available=True), torch.accelerator.device_count(), torch.backends.mps.is_available())"],
                cwd=tmp_path, env=env)
     assert seen.stdout.split() == ["mps", "1", "True"], "the probe must make torch report one mps device"
-    out = run(torchrun_cmd("multigpu_torchrun.py", "2", "1"), cwd=tmp_path, env=env).stdout
+    out = two_ranks_two_epochs[1]
     assert out.splitlines()[0] == "Training on 2 processes | device cpu | backend gloo", out[-2000:]
     assert summary(out).backend == "gloo" and len(epoch_lines(out)) == 2

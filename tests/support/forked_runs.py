@@ -2,6 +2,7 @@
 [[exit code, stdout, stderr], ...] in their order.
 
     python tests/support/forked_runs.py '[["nd_parallel.py", ["--cp", "3"], 2], ["plan.py", ["--tp", "3"], null]]'
+    python tests/support/forked_runs.py '[["train.py", ["--data_dir", "absent"], null, {"cwd": "/tmp/a"}]]' train
 
 `python script args` costs an `import torch` and torch.distributed's modules each (about 5 CPU-s); here they are
 imported once, and each command line runs in a child forked from this process: the script run as __main__ (runpy)
@@ -10,7 +11,9 @@ with its arguments, in this process's folder, its own stdout and stderr, and its
 the child has the environment torchrun gives rank 0 of N (launching.rank_0_env: for the checks a script makes before
 its process group, which rank 0 alone says as the whole launch would); with null, this process's. A fourth item,
 optional, {"cwd": FOLDER, "env": {NAME: VALUE}}: the child runs in that folder, those variables added to rank 0's
-(a MASTER_PORT each, say, for the scripts that make a process group of one)."""
+(a MASTER_PORT each, say, for the scripts that make a process group of one). Modules named after the cases (train:
+the script as a module, which imports transformers) are imported once too, before the forks."""
+import importlib
 import json
 import os
 import runpy
@@ -27,6 +30,8 @@ import torch.distributed.tensor.parallel  # noqa: F401
 from launching import REPO, rank_0_env
 
 sys.path.insert(0, str(REPO))  # as `python REPO/script.py` puts the script's folder first
+for module in sys.argv[2:]:
+    importlib.import_module(module)
 
 
 def child(script, args, nproc, out, err, cwd=None, env=None):

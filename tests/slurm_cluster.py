@@ -130,6 +130,10 @@ class SlurmCluster:
             # sbatch --wait polls every 2 s when finished jobs are kept 5 s or less, and backs off to 32 s
             # otherwise (at 300 s, the default).
             "MinJobAge=5",
+            # A step that is ended (srun --kill-on-bad-exit, scancel, a down node) gets SIGTERM, then SIGKILL this
+            # many seconds later (30 by default): submitit's tasks ignore SIGTERM ("Bypassing signal SIGTERM"), so a
+            # rank left waiting for a failed peer lived out all of them.
+            "KillWait=2",
         ]
         for node in NODES:
             lines.append(f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "

@@ -88,8 +88,22 @@ def single_threaded(work):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return single_threaded(lambda: reference_run(len(MATRIX) + 1))
+def from_hf(tmp_path_factory):
+    """The matrix's folder, with the Llama its first launch starts from: LlamaForCausalLM.save_pretrained's folder
+    llama/ (seeded weights, float64); (the folder, those weights under the Decoder's names)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    directory = tmp_path_factory.mktemp("matrix")
+    hf_config = {k: v for k, v in CONFIG.hf_config().items() if k not in ("model_type", "architectures")}
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config)).double()
+    hf.save_pretrained(directory / "llama")
+    return directory, {name: hf.state_dict()[hf_name(name)] for name in Decoder(CONFIG).state_dict()}
+
+
+@pytest.fixture(scope="module")
+def reference(from_hf):
+    """One process's epochs from the Llama's weights, as many as the matrix's launches train."""
+    return single_threaded(lambda: reference_run(len(MATRIX) + 1, initial=from_hf[1]))
 
 
 def newest(checkpoints):
@@ -103,8 +117,9 @@ def full_state(checkpoint, tmp_path):
     return torch.load(out, weights_only=True)
 
 
-def assert_matches_reference(state, reference, epochs, what, config=CONFIG):
-    """A checkpoint's weights and AdamW's first moment against one process's after `epochs` epochs."""
+def assert_matches_reference(state, reference, epochs, what, config=CONFIG, initial=None):
+    """A checkpoint's weights and AdamW's first moment against one process's after `epochs` epochs (which started
+    from `initial`, by default the Decoder's seed-0 weights)."""
     _, weights, moment = reference[epochs - 1]
     assert state["model"].keys() == weights.keys(), (what, sorted(state["model"]))
     for name, weight in weights.items():
@@ -113,7 +128,7 @@ def assert_matches_reference(state, reference, epochs, what, config=CONFIG):
         assert difference <= WEIGHT_TOL, f"{what}: {name} differs from one process's by {difference}"
         difference = (state["optimizer"][f"state.{name}.exp_avg"] - moment[name]).abs().max().item()
         assert difference <= WEIGHT_TOL, f"{what}: {name}'s exp_avg differs from one process's by {difference}"
-    initial = Decoder(config).init_weights(0).state_dict()
+    initial = Decoder(config).init_weights(0).state_dict() if initial is None else initial
     assert any((initial[n].double() - w).abs().max() > 1e-3 for n, w in weights.items()), "it must have trained"
 
 
@@ -132,31 +147,33 @@ def launch(script, *args, nproc, cwd, check=True):
 # ---- the resume matrix: each script resumes each one's checkpoints, an epoch a launch, a new layout each ----
 
 T, P, N = "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py"
-# (script, processes, flags, the layout it prints): T->T, T->P, P->P, P->T (pp 4 into TP), T->N, N->N, N->P, P->N,
-# N->T, each resume once; every pipeline schedule torch ships; FSDP x CP x TP (the ring), HSDP, FSDP x TP x PP on 8
-# processes.
+# (script, processes, flags, the layout it prints): FSDP x CP x TP (the ring) from a checkpoint transformers wrote,
+# then N->T, T->T, T->P, P->P, P->T (pp 4 into one process), T->N, N->N, N->P, P->N, each resume once; every pipeline
+# schedule torch ships; HSDP, FSDP x TP x PP on 8 processes.
 MATRIX = [
+    (N, 8, ("--dp", "2", "--cp", "2", "--tp", "2", "--init_from_hf", "llama"),
+     "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 2"),
     (T, 2, (), "tp 2"),
     (T, 4, (), "tp 4"),
     (P, 4, ("--tp", "2", "--schedule", "interleaved_1f1b"), "pp 2 x tp 2"),
     (P, 4, ("--schedule", "gpipe"), "pp 4 x tp 1"),
-    (T, 2, (), "tp 2"),
-    (N, 8, ("--dp", "2", "--cp", "2", "--tp", "2"), "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 2"),
+    (T, 1, (), "tp 1"),
+    (N, 1, (), "pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1"),
     (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1"),
     (P, 2, ("--schedule", "zbv"), "pp 2 x tp 1"),
     (N, 8, ("--pp", "2", "--dp", "2", "--tp", "2", "--schedule", "interleaved_zb"),
      "pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2"),
-    (T, 1, (), "tp 1"),
 ]
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """MATRIX, an epoch a launch, all in float64 on one --snapshot_path; between the second and the third launch,
+def matrix(tmp_path_factory, from_hf):
+    """MATRIX, an epoch a launch, all in float64 on one --snapshot_path, the first from_hf's Llama (each rank reads
+    its pieces from the safetensors file); between the second and the third launch,
     pipeline_parallel.py with DualPipeV trains epoch 2 and is SIGKILLed while saving it, so that the third launch
     resumes from epoch 2's checkpoint. [(output, the directory's listing, the newest checkpoint's full state, its
     path, which file holds each tensor of its model)]."""
-    directory = tmp_path_factory.mktemp("matrix")
+    directory = from_hf[0]
     states = tmp_path_factory.mktemp("states")
     (directory / "text.txt").write_text(the_text())
     checkpoints = directory / "checkpoints"
@@ -189,7 +206,7 @@ def matrix_run(matrix, epoch):
 
 
 def test_tensor_parallel_prints_each_ranks_pieces_and_the_collectives_it_counted(matrix):
-    out = matrix_run(matrix, 0)[0]
+    out = matrix_run(matrix, 1)[0]
     assert "Mesh tp 2 | global batch 16, all of it on every rank" in out, out[-3000:]
     total = sum(p.numel() for p in Decoder(CONFIG).parameters())
     for rank in (0, 1):  # every part on every rank, a half of each: q_proj split by its output rows
@@ -205,7 +222,7 @@ def test_tensor_parallel_prints_each_ranks_pieces_and_the_collectives_it_counted
 
 
 def test_pipeline_stages_keep_the_full_names_and_report_their_idle_time(matrix):
-    out = matrix_run(matrix, 3)[0]
+    out = matrix_run(matrix, 4)[0]
     assert "Mesh pp 4 x tp 1 | 16 sequences in 4 micro-batches | global batch 16 | schedule gpipe" in out, out[-3000:]
     parts = ["embed_tokens, layers.0", "layers.1", "layers.2", "layers.3, norm, lm_head"]
     for stage, names in enumerate(parts):
@@ -218,16 +235,16 @@ def test_pipeline_stages_keep_the_full_names_and_report_their_idle_time(matrix):
         assert textbook == "42.9" and 0 <= float(measured) < 100  # (4-1)/(4+4-1)
     # V-shaped: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2; each stage wrote its own parameters, under the
     # full model's names, into its rank's file.
-    out = matrix_run(matrix, 7)[0]
+    out = matrix_run(matrix, 8)[0]
     assert re.search(r"^Rank 0 \| pp 0 tp 0 \| stage 0: embed_tokens, layers.0 \| .* \| stage 3: layers.3, norm, "
                      r"lm_head \|", out, re.M), out[-3000:]
     assert re.search(r"^Rank 1 \| stages 1, 2 \| idle [\d.]+% of a step, measured \| bubble near 0", out, re.M), out
-    files = matrix_run(matrix, 7)[4]
+    files = matrix_run(matrix, 8)[4]
     assert files == {"__0_0.distcp": {"embed_tokens.weight", "layers.0", "layers.3", "norm.weight", "lm_head.weight"},
                      "__1_0.distcp": {"layers.1", "layers.2"}}, files
 
 
-def test_each_script_resumes_each_ones_checkpoints_as_one_uninterrupted_process(matrix, reference):
+def test_each_script_resumes_each_ones_checkpoints_as_one_uninterrupted_process(matrix, reference, from_hf):
     for epoch, (script, _, _, layout) in enumerate(MATRIX):
         out, _, state, _, _ = matrix_run(matrix, epoch)
         what = f"{script} {layout} (epoch {epoch})"
@@ -237,7 +254,7 @@ def test_each_script_resumes_each_ones_checkpoints_as_one_uninterrupted_process(
             assert (f"Resuming from checkpoints/epoch_{epoch:06d} at epoch {epoch}, saved as {saved} on {processes} "
                     "process") in out, (what, out[-3000:])
         assert_losses_match(out, reference, [epoch], what)
-        assert_matches_reference(state, reference, epoch + 1, what)
+        assert_matches_reference(state, reference, epoch + 1, what, initial=from_hf[1])
 
 
 def test_a_checkpoint_killed_mid_save_is_never_loaded(matrix, reference):
@@ -247,25 +264,29 @@ def test_a_checkpoint_killed_mid_save_is_never_loaded(matrix, reference):
     assert listing == ["epoch_000001", "epoch_000002", "epoch_000003.tmp"], listing  # the killed save's .tmp
     assert_losses_match(killed_out, reference, [2], "pp 2, DualPipeV, killed while saving")
     out, listing, _, _, _ = matrix_run(matrix, 2)
-    assert "Resuming from checkpoints/epoch_000002 at epoch 2, saved as tp 4 on 4 processes" in out, out[-3000:]
+    assert "Resuming from checkpoints/epoch_000002 at epoch 2, saved as tp 2 on 2 processes" in out, out[-3000:]
     assert listing == ["epoch_000002", "epoch_000003"], "the .tmp removed, the two newest kept"
 
 
-def test_the_optimizers_settings_are_the_scripts_own_not_the_checkpoints(tmp_path):
-    """A run resumed with another --lr trains on with it (the checkpoint keeps AdamW's moments, not its settings)."""
+def test_the_optimizers_settings_are_the_scripts_own_not_the_checkpoints(matrix, tmp_path):
+    """A run resumed with another --lr trains on with it (the checkpoint keeps AdamW's moments, not its settings):
+    tensor_parallel.py on one process, from a copy of the matrix's last checkpoint (nd_parallel.py's, lr 3e-3)."""
+    last = matrix_run(matrix, len(MATRIX) - 1)[3]
     (tmp_path / "text.txt").write_text(the_text())
-    launch(N, "--total_epochs", "1", *F64, nproc=1, cwd=tmp_path)
-    launch(T, "--total_epochs", "2", "--lr", "1e-300", *F64, nproc=1, cwd=tmp_path)
-    first, second = (full_state(tmp_path / "checkpoints" / f"epoch_{e:06d}", tmp_path) for e in (1, 2))
+    shutil.copytree(last, tmp_path / "checkpoints" / last.name)
+    epochs = len(MATRIX)
+    launch(T, "--total_epochs", epochs + 1, "--lr", "1e-300", *F64, nproc=1, cwd=tmp_path)
+    first, second = (full_state(tmp_path / "checkpoints" / f"epoch_{e:06d}", tmp_path) for e in (epochs, epochs + 1))
     for name, weight in first["model"].items():  # lr 1e-300: AdamW's steps vanish in float64, weight decay too
         assert torch.equal(second["model"][name], weight), name
-        assert second["optimizer"][f"param_groups.{name}.lr"] == 1e-300, name
+        assert (first["optimizer"][f"param_groups.{name}.lr"], second["optimizer"][f"param_groups.{name}.lr"]) == (
+            3e-3, 1e-300), name
 
 
 def test_3d_parallel_on_8_processes_places_every_rank_on_the_mesh(matrix):
     """The matrix's FSDP x TP x PP launch: tp innermost, then dp_shard, then pp; each rank two looped stages of one
     layer each (stage s and s + 2), a quarter of each layer's q_proj (tp splits its rows, FSDP shards them)."""
-    out = matrix_run(matrix, 8)[0]
+    out = matrix_run(matrix, 9)[0]
     assert ("Mesh pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 | 8 sequences a data-parallel rank in 4 "
             "micro-batches | global batch 16 | schedule interleaved_zb") in out, out[-3000:]
     total = sum(p.numel() for p in Decoder(CONFIG).parameters())
@@ -333,7 +354,7 @@ def launch_checked(*args, nproc, cwd):
 def test_context_parallel_places_cp_inside_tp_and_gives_each_rank_an_early_and_a_late_chunk(matrix):
     """The matrix's FSDP 2 x CP 2 x TP 2 launch (the ring; its numbers are one process's in
     test_each_script_resumes_each_ones_checkpoints_as_one_uninterrupted_process)."""
-    out = matrix_run(matrix, 5)[0]
+    out = matrix_run(matrix, 0)[0]
     ranks = re.findall(r"^Rank (\d) \| pp 0 dp_replicate 0 dp_shard (\d) cp (\d) tp (\d) \| tokens (\d+)-(\d+) and "
                        r"(\d+)-(\d+) of 16 \| stage 0:", out, re.M)
     assert len(ranks) == 8, out[-3000:]
@@ -426,15 +447,16 @@ def test_no_tensor_reaches_a_collective_non_contiguous(ep_chain):
 # ---- Hugging Face in and out ----
 
 def test_an_export_loads_in_transformers_with_our_logits(matrix, tmp_path):
-    """The last launch's checkpoint (saved by tensor_parallel.py; the matrix's runs wrote its history in 5
-    layouts) exported, loaded by LlamaForCausalLM.from_pretrained: its logits are the decoder's, in float64, up to
-    Hugging Face's float32 RMSNorm and rotary angles (measured: about 1e-7)."""
+    """The last launch's checkpoint (saved by nd_parallel.py as FSDP x TP x PP on 8 processes; the matrix's runs
+    wrote its history in 10 layouts) exported, loaded by LlamaForCausalLM.from_pretrained: its logits are the
+    decoder's, in float64, up to Hugging Face's float32 RMSNorm and rotary angles (measured: about 1e-7)."""
     from transformers import LlamaForCausalLM
     checkpoint = matrix_run(matrix, len(MATRIX) - 1)[3]
     result = run([BIN / "python", REPO / "hf_checkpoint.py", checkpoint, tmp_path / "llama"], cwd=tmp_path)
-    assert re.match(rf"Exported {re.escape(str(checkpoint))} \([\d,]+ parameters, float64, saved as tp 1 on 1 "
-                    rf"process\)\nto {re.escape(str(tmp_path / 'llama'))}: LlamaForCausalLM.from_pretrained",
-                    result.stdout), result.stdout
+    _, processes, _, layout = MATRIX[-1]
+    assert re.match(rf"Exported {re.escape(str(checkpoint))} \([\d,]+ parameters, float64, saved as {layout} on "
+                    rf"{processes} processes\)\nto {re.escape(str(tmp_path / 'llama'))}: "
+                    "LlamaForCausalLM.from_pretrained", result.stdout), result.stdout
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "llama")
     ours = checkpoint_dir.load_whole_model(Decoder(CONFIG).double(), checkpoint)
     tokens = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
@@ -445,22 +467,15 @@ def test_an_export_loads_in_transformers_with_our_logits(matrix, tmp_path):
     assert {hf_name(n) for n in ours.state_dict()} == set(hf.state_dict()), "the same names, less model."
 
 
-def test_a_checkpoint_transformers_wrote_trains_on_in_a_split_layout(tmp_path, reference):
-    """LlamaForCausalLM.save_pretrained's folder, loaded by nd_parallel.py as FSDP 2 x TP 2 (each rank reads its
-    pieces from the safetensors file), trains the epoch one process trains from the same weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    hf_config = {k: v for k, v in CONFIG.hf_config().items() if k not in ("model_type", "architectures")}
-    torch.manual_seed(1)
-    hf = LlamaForCausalLM(LlamaConfig(**hf_config)).double()
-    hf.save_pretrained(tmp_path / "llama")
-    initial = {name: hf.state_dict()[hf_name(name)] for name in Decoder(CONFIG).state_dict()}
-    expected = single_threaded(lambda: reference_run(1, initial=initial))
-    (tmp_path / "text.txt").write_text(the_text())
-    out = launch(N, "--total_epochs", "1", "--dp", "2", "--tp", "2", "--init_from_hf", "llama", *F64, nproc=4,
-                 cwd=tmp_path)
+def test_a_checkpoint_transformers_wrote_trains_on_in_a_split_layout(matrix, reference, from_hf):
+    """LlamaForCausalLM.save_pretrained's folder, loaded by nd_parallel.py as FSDP 2 x CP 2 x TP 2 (the matrix's
+    first launch: each rank reads its pieces from the safetensors file), trains the epoch one process trains from
+    the same weights."""
+    out, _, state, _, _ = matrix_run(matrix, 0)
+    assert "Mesh pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 2 |" in out, out[-3000:]
     assert "Starting from llama (Hugging Face's format)" in out, out[-3000:]
-    assert_losses_match(out, expected, [0], "from Hugging Face, 2 x 2")
-    assert_matches_reference(full_state(newest(tmp_path / "checkpoints"), tmp_path), expected, 1, "from HF")
+    assert_losses_match(out, reference, [0], "from Hugging Face, 2 x 2 x 2")
+    assert_matches_reference(state, reference, 1, "from HF", initial=from_hf[1])
 
 
 # ---- bad input: one line, before any work ----
@@ -528,7 +543,7 @@ def test_checkpoints_these_scripts_cannot_go_on_from_are_one_line_from_rank_0(ma
     fsdp_checkpoint.py wrote it (no architecture, dataset or batch: the tensors tell); a --snapshot_path that is a
     file. Each stops before any step with its line, said by rank 0 alone, and leaves the checkpoints as they
     were."""
-    last = matrix_run(matrix, len(MATRIX) - 1)[3]  # tensor_parallel.py's, at epoch 10
+    last = matrix_run(matrix, len(MATRIX) - 1)[3]  # nd_parallel.py's, at epoch 10
 
     def folder(case):
         (tmp_path / case).mkdir()
@@ -559,7 +574,7 @@ def test_checkpoints_these_scripts_cannot_go_on_from_are_one_line_from_rank_0(ma
         ("flipped", P, 2, F64, [f"checkpoint {newest} is damaged: __0_0.distcp does not match its sum (CRC-32 ",
                                 "pass --skip_damaged to set it aside"]),
         ("fsdp", "fsdp.py", 2, ("--snapshot_path", "checkpoints", "--batch_size", "256"),
-         [f"checkpoint {newest} holds another model (Decoder, saved by tensor_parallel.py); this script trains a "
+         [f"checkpoint {newest} holds another model (Decoder, saved by nd_parallel.py); this script trains a "
           "BlockMLP: pass another --snapshot_path"]),
         ("fsdp_older", "fsdp.py", 1, ("--snapshot_path", "checkpoints"),
          [f"checkpoint {newest} holds another model (model.embed_tokens.weight, model.layers.0.",

@@ -18,39 +18,32 @@ LAYOUTS = [
     ("HSDP 2x2", "--dp_replicate 2 --dp_shard 2", 4, [0]),
     ("3-D 2x2x2", "--dp_shard 2 --tp 2 --pp 2", 8, [0, 4]),
 ]
-TRACE = r"""
-import json, sys
-sys.path.insert(0, {repo!r})
-import plan
-found = {{}}
-for name, flags, world_size, ranks in json.loads(sys.argv[1]):
-    for rank in ranks:
-        args = plan.parse_args([*flags.split(), *{model!r}.split(), "--world_size", str(world_size), "--rank",
-                                str(rank), "--backend", "gloo"])
-        result = plan.trace(args)
-        found[f"{{name}} {{rank}}"] = (sum(row[-1] for row in plan.traffic(result, "gloo")), result["peak"]["Total"])
-print(json.dumps(found))
-"""
 
 
-def plan_runs(*commands):
-    """plan.py's command lines, each in a process forked from one that imported torch once
+def forked(*cases):
+    """Command lines ([script, arguments]), each in a process forked from one that imported torch once
     (tests/support/forked_runs.py), in this repository's folder: a CompletedProcess each."""
-    cases = [["plan.py", command, None] for command in commands]
-    done = subprocess.run([sys.executable, REPO / "tests" / "support" / "forked_runs.py", json.dumps(cases)],
+    done = subprocess.run([sys.executable, REPO / "tests" / "support" / "forked_runs.py",
+                           json.dumps([[script, args, None] for script, args in cases])],
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
-    assert len(results) == len(commands), done.stdout[-3000:]
-    return [subprocess.CompletedProcess(["plan.py", *command], *result) for command, result in zip(commands, results)]
+    assert len(results) == len(cases), done.stdout[-3000:]
+    return [subprocess.CompletedProcess([script, *args], *result) for (script, args), result in zip(cases, results)]
 
 
 @pytest.fixture(scope="module")
-def planned():
-    """The planner's bytes a step of each layout's traced ranks, gloo's count: one process traces them all."""
-    script = TRACE.format(repo=str(REPO), model=MODEL)
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(LAYOUTS)], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+def quick_runs():
+    """The quick tests' one process: tests/support/plan_traffic.py on LAYOUTS, then plan.py on each of
+    BAD_LAYOUTS."""
+    return forked(["tests/support/plan_traffic.py", [json.dumps(LAYOUTS), MODEL]],
+                  *(["plan.py", flags.split()] for flags, _ in BAD_LAYOUTS))
+
+
+@pytest.fixture(scope="module")
+def planned(quick_runs):
+    """The planner's bytes a step of each layout's traced ranks, gloo's count (and its peak memory)."""
+    done = quick_runs[0]
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -113,9 +106,9 @@ BAD_LAYOUTS = [
 
 
 @pytest.fixture(scope="module")
-def bad_layouts():
+def bad_layouts(quick_runs):
     """plan.py on each of BAD_LAYOUTS: {flags: CompletedProcess}."""
-    return dict(zip((flags for flags, _ in BAD_LAYOUTS), plan_runs(*(flags.split() for flags, _ in BAD_LAYOUTS))))
+    return dict(zip((flags for flags, _ in BAD_LAYOUTS), quick_runs[1:]))
 
 
 @pytest.mark.quick
@@ -126,35 +119,48 @@ def test_bad_layout_one_line(bad_layouts, flags, says):
     assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
 
 
-def test_plan_of_fewer_microbatches_is_exact():
+SEARCH = ["--search", "--gpus", "4", "--global_batch_size", "8", "--gpu_memory", "0.0075"]
+SCHEDULES = ("zbv", "dualpipev")
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """The other tests' plan.py command lines in one process: 1F1B on 8 processes at the first and the last stage,
+    shortened and --every_microbatch; ZBV and DualPipeV; --search. {what: CompletedProcess}."""
+    cases = {(rank, every): [*MODEL.split(), "--world_size", "8", "--dp_shard", "2", "--tp", "2", "--pp", "2",
+                             "--microbatches", "8", "--rank", str(rank), *(["--every_microbatch"] if every else [])]
+             for rank in (0, 4) for every in (False, True)}
+    cases.update({schedule: [*MODEL.split(), "--world_size", "4", "--dp_shard", "2", "--pp", "2", "--microbatches",
+                             "8", "--schedule", schedule] for schedule in SCHEDULES})
+    cases["search"] = SEARCH
+    return dict(zip(cases, forked(*(["plan.py", args] for args in cases.values()))))
+
+
+def test_plan_of_fewer_microbatches_is_exact(traced):
     """1F1B traced over its first warmup + 1 micro-batches, the rest added as copies of the last: the same bytes,
     FLOPs and peak as tracing all 8, on the first stage and the last."""
-    runs = plan_runs(*([*MODEL.split(), "--world_size", "8", "--dp_shard", "2", "--tp", "2", "--pp", "2",
-                        "--microbatches", "8", "--rank", str(rank), *every]
-                       for rank in (0, 4) for every in ([], ["--every_microbatch"])))
-    for rank, shortened, every in zip((0, 4), runs[0::2], runs[1::2]):
+    for rank in (0, 4):
         said = []
-        for done in (shortened, every):
+        for done in (traced[rank, False], traced[rank, True]):
             assert done.returncode == 0, done.stderr[-2000:]
             said.append([line for line in done.stdout.splitlines() if not line.startswith("Method:")])
         assert said[0] == said[1], rank
         assert any(line.startswith("Peak memory:") for line in said[0])
 
 
-def test_search_ranks_the_layouts_that_fit():
+def test_search_ranks_the_layouts_that_fit(traced):
     """--search on 4 GPUs of the steps' decoder: every layout traced, ranked by its estimated step, the
     assumptions printed; with too little memory, none fits and it says so."""
-    done = subprocess.run([sys.executable, "plan.py", "--search", "--gpus", "4", "--global_batch_size", "8",
-                           "--gpu_memory", "0.0075"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = traced["search"]
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("Search: steps, 4 GPUs of 0.0075 GiB")
     assert sum(line.startswith("Assumed:") for line in lines) == 2 and lines[3].startswith("Method:")
     header = next(i for i, line in enumerate(lines) if line.startswith("rank |"))
     rows = [line.split("|") for line in lines[header + 1:] if line[:4].strip().isdigit()]
-    traced = [line for line in done.stderr.splitlines() if line.startswith("traced ")]
+    traced_ = [line for line in done.stderr.splitlines() if line.startswith("traced ")]
     unfit = lines[-1].removeprefix("Do not fit in ").split(": ", 1)[1]
-    assert len(traced) == len(rows) + (0 if unfit == "none" else unfit.count(" GiB)")) >= 4
+    assert len(traced_) == len(rows) + (0 if unfit == "none" else unfit.count(" GiB)")) >= 4
     assert rows and unfit != "none"  # 7.5 MiB: some layouts fit, some do not
     steps = [float(row[4]) for row in rows]
     assert steps == sorted(steps)
@@ -162,14 +168,12 @@ def test_search_ranks_the_layouts_that_fit():
         assert float(row[3]) <= 0.0075 * 0.9
 
 
-def test_dualpipev_traces_as_zbv_sends():
+def test_dualpipev_traces_as_zbv_sends(traced):
     """DualPipeV runs a forward and a backward as one action (OVERLAP_F_B): traced action by action, a step of its
     rank 0 sends and holds what ZBV's does (the same V of stages, the same micro-batches), in another order."""
     said = {}
-    schedules = ("zbv", "dualpipev")
-    for schedule, done in zip(schedules, plan_runs(*([*MODEL.split(), "--world_size", "4", "--dp_shard", "2", "--pp",
-                                                      "2", "--microbatches", "8", "--schedule", schedule]
-                                                     for schedule in schedules))):
+    for schedule in SCHEDULES:
+        done = traced[schedule]
         assert done.returncode == 0, done.stderr[-2000:]
         said[schedule] = [line for line in done.stdout.splitlines() if line.startswith(("Holds:", "  ", "FLOPs:"))]
     assert said["zbv"] == said["dualpipev"] and len(said["zbv"]) >= 5, said

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from conftest import (BIN, PROGRAMS, REPO, assert_bitwise_equal, assert_one_line_error, assert_said_by_rank_0,
                       checkpoint_sums, clean_env, collectives_issued, epoch_batches, epoch_lines, finish, flip,
-                      free_port, python_cmd, run, start, stopped_worker, summary, torchrun_cmd,
+                      forked, free_port, run, start, stopped_worker, summary, torchrun_cmd,
                       torchrun_worker)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import read_text
@@ -284,18 +284,17 @@ def test_a_damaged_checkpoint_or_one_of_another_run_is_one_line_from_rank_0_befo
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     jobs = {case: start(torchrun_cmd(script, "--total_epochs", "6", *flags), cwd=tmp_path / case, merge_output=False)
             for case, script, flags, ranks, _ in cases if ranks == 2}
-    alone = [[script, ["--total_epochs", "6", *map(str, flags)], ranks or 2,
-              {"cwd": str(tmp_path / case), "env": {"MASTER_PORT": free_port()}}]
+    alone = [[script, ["--total_epochs", "6", *flags], ranks or 2,
+              {"cwd": tmp_path / case, "env": {"MASTER_PORT": free_port()}}]
              for case, script, flags, ranks, _ in cases if ranks != 2]
-    forked = run(python_cmd("tests/support/forked_runs.py", json.dumps(alone)), cwd=tmp_path, timeout=300)
-    said = iter(json.loads(forked.stdout))
+    said = iter(forked(alone, cwd=tmp_path))
     outputs = {}
-    for case, script, flags, ranks, fragments in cases:
+    for case, _, _, ranks, fragments in cases:
         if ranks == 2:
             out, err = finish(jobs[case], 180)
             result = subprocess.CompletedProcess(jobs[case].args, jobs[case].returncode, out, err)
         else:
-            result = subprocess.CompletedProcess([script, *flags], *next(said))
+            result = next(said)
         outputs[case] = result.stdout
         assert_said_by_rank_0(result, *fragments)
     aside = {p: tmp_path / "none_whole" / f"{newest}.damaged" / p.name for p in before if "none_whole" in p.parts

@@ -1,13 +1,11 @@
 """plan.py, the planner: its bytes a step against the sockets' counts of real runs (benchmarks/parallel_bytes.py,
 the same model, batch and layouts), and a bad layout in one line before any work."""
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, forked
 
 MODEL = "--dim 32 --n_layers 4 --n_heads 8 --n_kv_heads 4 --hidden 64 --seq_len 16 --global_batch_size 64"
 # (parallel_bytes.py's layout name, the planner's flags, processes, the ranks to trace: one a pipeline stage).
@@ -20,24 +18,12 @@ LAYOUTS = [
 ]
 
 
-def forked(*cases):
-    """Command lines ([script, arguments]), each in a process forked from one that imported torch once
-    (tests/support/forked_runs.py), in this repository's folder: a CompletedProcess each."""
-    done = subprocess.run([sys.executable, REPO / "tests" / "support" / "forked_runs.py",
-                           json.dumps([[script, args, None] for script, args in cases])],
-                          capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
-    assert len(results) == len(cases), done.stdout[-3000:]
-    return [subprocess.CompletedProcess([script, *args], *result) for (script, args), result in zip(cases, results)]
-
-
 @pytest.fixture(scope="module")
 def quick_runs():
     """The quick tests' one process: tests/support/plan_traffic.py on LAYOUTS, then plan.py on each of
     BAD_LAYOUTS."""
-    return forked(["tests/support/plan_traffic.py", [json.dumps(LAYOUTS), MODEL]],
-                  *(["plan.py", flags.split()] for flags, _ in BAD_LAYOUTS))
+    return forked([["tests/support/plan_traffic.py", [json.dumps(LAYOUTS), MODEL], None],
+                   *(["plan.py", flags.split(), None] for flags, _ in BAD_LAYOUTS)], cwd=REPO, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +119,7 @@ def traced():
     cases.update({schedule: [*MODEL.split(), "--world_size", "4", "--dp_shard", "2", "--pp", "2", "--microbatches",
                              "8", "--schedule", schedule] for schedule in SCHEDULES})
     cases["search"] = SEARCH
-    return dict(zip(cases, forked(*(["plan.py", args] for args in cases.values()))))
+    return dict(zip(cases, forked([["plan.py", args, None] for args in cases.values()], cwd=REPO, timeout=900)))
 
 
 def test_plan_of_fewer_microbatches_is_exact(traced):

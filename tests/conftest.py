@@ -1,4 +1,5 @@
 """Helpers for launching the real scripts under their real launchers, in subprocesses."""
+import functools
 import json
 import threading
 import os
@@ -170,6 +171,22 @@ def forked(cases, cwd, env=None, modules=(), timeout=300):
     results = json.loads(done.stdout.splitlines()[-1])
     assert len(results) == len(cases), done.stdout[-3000:]
     return [subprocess.CompletedProcess([case[0], *case[1]], *result) for case, result in zip(cases, results)]
+
+
+@functools.lru_cache(maxsize=None)
+def _help_texts(programs):
+    return json.loads(run([sys.executable, REPO / "tests" / "support" / "help_texts.py", *programs], cwd=REPO,
+                          timeout=300).stdout)
+
+
+def help_text(program, programs):
+    """The --help text of `program` (a script of the repository, or "torchrun"). All of `programs` are asked at once,
+    in one process (tests/support/help_texts.py); a program it could not ask is asked on its own."""
+    text = _help_texts(tuple(sorted(programs))).get(program)
+    if not text:
+        command = [BIN / "torchrun"] if program == "torchrun" else [sys.executable, REPO / program]
+        text = run([*command, "--help"], cwd=REPO, timeout=120).stdout
+    return text
 
 
 def launched_pids():

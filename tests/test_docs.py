@@ -6,15 +6,13 @@ A page's main command runs in the test file that launches it (docs/hangs.md's in
 writes it), not a second time here: no page has a ```bash run block.
 """
 import functools
-import json
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, run
+from conftest import REPO, help_text, run
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.M | re.S)
@@ -88,20 +86,16 @@ def program_and_script(tokens):
 
 
 @functools.lru_cache(maxsize=None)
-def help_texts():
-    """Every documented script's --help, and torchrun's, asked in one process (tests/support/help_texts.py)."""
-    scripts = sorted({param.values[2] for param in shell_commands() if (REPO / param.values[2]).is_file()})
-    helper = REPO / "tests" / "support" / "help_texts.py"
-    return json.loads(run([sys.executable, helper, *scripts, "torchrun"], cwd=REPO, timeout=300).stdout)
+def documented_programs():
+    """Every documented script, and torchrun: their --help texts are asked in one process (conftest.help_text)."""
+    scripts = {param.values[2] for param in shell_commands() if (REPO / param.values[2]).is_file()}
+    return frozenset(scripts | {"torchrun"})
 
 
 @functools.lru_cache(maxsize=None)
 def accepted_flags(program):
     """The flags a script or torchrun accepts, from its own --help."""
-    text = help_texts().get(program)
-    if not text:  # a script (or torchrun) that help_texts.py could not ask: on its own
-        command = [BIN / "torchrun"] if program == "torchrun" else [sys.executable, REPO / program]
-        text = run([*command, "--help"], cwd=REPO, timeout=120).stdout
+    text = help_text(program, documented_programs())
     # Only what argparse lists as options: a script's description (its docstring) shows commands with launcher flags.
     text = text.split("\noptions:\n", 1)[-1]
     return set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", text))

@@ -2,14 +2,12 @@
 image keeps the pins. The SLURM files run under a real cluster in test_slurm.py, the Dockerfile is built
 and run with podman in test_container.py, and the Kubernetes manifests are checked against their API models
 and their commands run as pods would in test_kubernetes.py (no Kubernetes cluster can be started here)."""
-import functools
 import re
 import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import BIN, REPO, run
+from conftest import REPO, help_text
 
 SBATCH = sorted((REPO / "slurm").glob("*.sbatch"))
 # The repository's own shell files: not those of .git, nor of a virtual environment made inside the clone (the
@@ -59,12 +57,9 @@ def commands_in(path):
             for line in logical_lines(path)]
 
 
-@functools.lru_cache(maxsize=None)
-def flags_of(program):
-    """The flags a program accepts, read from its own --help."""
-    cmd = [BIN / "torchrun"] if program == "torchrun" else [sys.executable, REPO / program]
-    help_text = run([*cmd, "--help"], cwd=REPO, timeout=120).stdout
-    return set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", help_text))
+def flags_of(program, programs):
+    """The flags a program accepts, read from its own --help (all of `programs` asked in one process)."""
+    return set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", help_text(program, programs)))
 
 
 def script_uses():
@@ -94,14 +89,15 @@ def test_shell_files_parse():
 
 def test_every_script_and_flag_named_exists():
     uses = script_uses()
-    scripts = {program for _, program, _ in uses if program != "torchrun"}
+    programs = {program for _, program, _ in uses}
+    scripts = programs - {"torchrun"}
     assert {"multinode.py", "run_with_mpirun.py", "multigpu_torchrun.py"} <= scripts
     assert {path for path, program, _ in uses if program == "torchrun"} >= set(YAML_FILES) - {K8S_CLAIM}
     for path, program, flag in uses:
         if program != "torchrun":
             assert (REPO / program).is_file(), f"{path.name} names {program}, which does not exist"
         if flag is not None:
-            assert flag in flags_of(program), f"{path.name}: {program} has no flag {flag}"
+            assert flag in flags_of(program, programs), f"{path.name}: {program} has no flag {flag}"
 
 
 def requirement_pins():

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from conftest import (BIN, REPO, assert_one_line_error, assert_said_by_rank_0, checkpoint_sums, clean_env,
-                      epoch_lines, finish, flip, python_cmd, run, start, summary, torchrun_cmd)
+                      epoch_lines, finish, flip, forked, free_port, python_cmd, run, start, summary, torchrun_cmd)
 import fsdp_checkpoint as checkpoint_dir
 from language_model import Decoder, DecoderConfig, hf_name, read_text, text_splits
 
@@ -52,9 +52,10 @@ def the_text():
     return read_text()[0][:TEXT_CHARS]
 
 
-def reference_run(epochs, initial=None, seed=0, config=CONFIG):
+def reference_run(epochs, initial=None, seed=0, config=CONFIG, lrs=None):
     """One process, no torch.distributed: [(epoch loss a token, weights, AdamW's exp_avg) after each epoch]. With
-    experts, each MoE layer adds its balance loss's gradient itself (its mean over the batch's sequences)."""
+    experts, each MoE layer adds its balance loss's gradient itself (its mean over the batch's sequences). lrs:
+    {epoch: AdamW's lr in that epoch}, 3e-3 in the others."""
     dataset, _ = text_splits(the_text(), config.max_seq_len)
     size = len(dataset) // GLOBAL_BATCH * GLOBAL_BATCH  # whole steps, as the scripts train
     model = Decoder(config).init_weights(seed).double()
@@ -64,6 +65,8 @@ def reference_run(epochs, initial=None, seed=0, config=CONFIG):
     names = {p: name for name, p in model.named_parameters()}
     after = []
     for epoch in range(epochs):
+        for group in optimizer.param_groups:
+            group["lr"] = (lrs or {}).get(epoch, 3e-3)
         order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
         total = 0.0
         for start_ in range(0, size, GLOBAL_BATCH):
@@ -102,8 +105,11 @@ def from_hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(from_hf):
-    """One process's epochs from the Llama's weights, as many as the matrix's launches train."""
-    return single_threaded(lambda: reference_run(len(MATRIX) + 1, initial=from_hf[1]))
+    """One process's epochs from the Llama's weights, as many as the matrix's launches train, at each launch's
+    --lr."""
+    lrs = {epoch: float(flags[flags.index("--lr") + 1]) for epoch, (_, _, flags, _) in enumerate(MATRIX)
+           if "--lr" in flags}
+    return single_threaded(lambda: reference_run(len(MATRIX) + 1, initial=from_hf[1], lrs=lrs))
 
 
 def newest(checkpoints):
@@ -149,7 +155,8 @@ def launch(script, *args, nproc, cwd, check=True):
 T, P, N = "tensor_parallel.py", "pipeline_parallel.py", "nd_parallel.py"
 # (script, processes, flags, the layout it prints): FSDP x CP x TP (the ring) from a checkpoint transformers wrote,
 # then N->T, T->T, T->P, P->P, P->T (pp 4 into one process), T->N, N->N, N->P, P->N, each resume once; every pipeline
-# schedule torch ships; HSDP, FSDP x TP x PP on 8 processes.
+# schedule torch ships; HSDP, FSDP x TP x PP on 8 processes. The one-process tensor_parallel.py launch trains with
+# --lr 1e-3, the others with the scripts' 3e-3: a checkpoint keeps AdamW's moments, not its settings.
 MATRIX = [
     (N, 8, ("--dp", "2", "--cp", "2", "--tp", "2", "--init_from_hf", "llama"),
      "pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 2"),
@@ -157,7 +164,7 @@ MATRIX = [
     (T, 4, (), "tp 4"),
     (P, 4, ("--tp", "2", "--schedule", "interleaved_1f1b"), "pp 2 x tp 2"),
     (P, 4, ("--schedule", "gpipe"), "pp 4 x tp 1"),
-    (T, 1, (), "tp 1"),
+    (T, 1, ("--lr", "1e-3"), "tp 1"),
     (N, 1, (), "pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1"),
     (N, 4, ("--dp", "4", "--dp_replicate", "2"), "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1"),
     (P, 2, ("--schedule", "zbv"), "pp 2 x tp 1"),
@@ -268,19 +275,18 @@ def test_a_checkpoint_killed_mid_save_is_never_loaded(matrix, reference):
     assert listing == ["epoch_000002", "epoch_000003"], "the .tmp removed, the two newest kept"
 
 
-def test_the_optimizers_settings_are_the_scripts_own_not_the_checkpoints(matrix, tmp_path):
-    """A run resumed with another --lr trains on with it (the checkpoint keeps AdamW's moments, not its settings):
-    tensor_parallel.py on one process, from a copy of the matrix's last checkpoint (nd_parallel.py's, lr 3e-3)."""
-    last = matrix_run(matrix, len(MATRIX) - 1)[3]
-    (tmp_path / "text.txt").write_text(the_text())
-    shutil.copytree(last, tmp_path / "checkpoints" / last.name)
-    epochs = len(MATRIX)
-    launch(T, "--total_epochs", epochs + 1, "--lr", "1e-300", *F64, nproc=1, cwd=tmp_path)
-    first, second = (full_state(tmp_path / "checkpoints" / f"epoch_{e:06d}", tmp_path) for e in (epochs, epochs + 1))
-    for name, weight in first["model"].items():  # lr 1e-300: AdamW's steps vanish in float64, weight decay too
-        assert torch.equal(second["model"][name], weight), name
-        assert (first["optimizer"][f"param_groups.{name}.lr"], second["optimizer"][f"param_groups.{name}.lr"]) == (
-            3e-3, 1e-300), name
+def test_the_optimizers_settings_are_the_scripts_own_not_the_checkpoints(matrix, from_hf):
+    """A run resumed with another --lr trains on with it, and the run resumed from it without --lr with the script's
+    3e-3 again (the checkpoint keeps AdamW's moments, not its settings): the matrix's tensor_parallel.py on one
+    process, --lr 1e-3, between launches of 3e-3. Each checkpoint holds the lr its run took; the weights are one
+    process's that changed its lr there and back (test_each_script_resumes_each_ones_checkpoints_as_one_...), and
+    far from one process's that kept 3e-3."""
+    epoch = next(e for e, (_, _, flags, _) in enumerate(MATRIX) if "--lr" in flags)
+    states = [matrix_run(matrix, e)[2] for e in (epoch - 1, epoch, epoch + 1)]
+    for name in states[0]["model"]:
+        assert [state["optimizer"][f"param_groups.{name}.lr"] for state in states] == [3e-3, 1e-3, 3e-3], name
+    kept = single_threaded(lambda: reference_run(epoch + 1, initial=from_hf[1]))[epoch][1]
+    assert max((states[1]["model"][n] - w).abs().max().item() for n, w in kept.items()) > 1e-4, "--lr changed nothing"
 
 
 def test_3d_parallel_on_8_processes_places_every_rank_on_the_mesh(matrix):
@@ -315,11 +321,11 @@ LAYER_TOL = 1e-12
 
 
 @pytest.fixture(scope="module")
-def parallel_layers(tmp_path_factory):
-    """tests/support/parallel_layers_check.py on 4 processes: context_parallel.py's attention at cp 2 and 4, each
-    rank against one process's, computed on every rank from the same seeded tensors."""
-    return launch(REPO / "tests" / "support" / "parallel_layers_check.py", nproc=4,
-                  cwd=tmp_path_factory.mktemp("layers"))
+def parallel_layers(ep_chain):
+    """tests/support/parallel_layers_check.py on 4 processes (the MoE chain's last launch, before nd_parallel.py):
+    context_parallel.py's attention at cp 2 and 4 and expert_parallel.py's dispatch at ep 2 and 4, each rank against
+    one process's, computed on every rank from the same seeded tensors."""
+    return ep_chain[0][LAYERS_CHECKED][0]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -344,11 +350,13 @@ def test_expert_parallel_dispatch_is_one_process_moe_forward_and_backward(parall
 
 
 CHECKER = REPO / "tests" / "support" / "contiguous_collectives.py"
+LAYERS = REPO / "tests" / "support" / "parallel_layers_check.py"
 
 
-def launch_checked(*args, nproc, cwd):
-    """A launch of nd_parallel.py whose collectives stop it on a tensor that is not contiguous (CHECKER)."""
-    return launch(CHECKER, REPO / N, *args, nproc=nproc, cwd=cwd)
+def launch_checked(*args, nproc, cwd, layers=False):
+    """A launch of nd_parallel.py whose collectives stop it on a tensor that is not contiguous (CHECKER); with
+    `layers`, LAYERS' checks first, in the same processes."""
+    return launch(CHECKER, *([LAYERS] if layers else []), REPO / N, *args, nproc=nproc, cwd=cwd)
 
 
 def test_context_parallel_places_cp_inside_tp_and_gives_each_rank_an_early_and_a_late_chunk(matrix):
@@ -375,17 +383,19 @@ EP_CHAIN = [(4, ("--dp", "2", "--cp", "2", "--ep", "2"), "pp 1 x dp_replicate 1 
              "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 | ep 2"),
             (4, ("--cp", "4", "--cp_attention", "allgather"), "pp 1 x dp_replicate 1 x dp_shard 1 x cp 4 x tp 1")]
 CHECKED = (0, 3)  # the launches of EP_CHAIN under CHECKER
+LAYERS_CHECKED = 3  # the launch of EP_CHAIN that runs LAYERS' checks first (4 processes)
 
 
 @pytest.fixture(scope="module")
 def ep_chain(tmp_path_factory):
     """EP_CHAIN, each launch resumed from the one before; the first (the ring, the all-to-all) and the last (the
-    all-gather at cp 4) check their collectives' tensors."""
+    all-gather at cp 4) check their collectives' tensors; the last runs LAYERS' checks before nd_parallel.py."""
     directory, states = tmp_path_factory.mktemp("ep-chain"), tmp_path_factory.mktemp("ep-chain-states")
     (directory / "text.txt").write_text(the_text())
     found = []
     for epoch, (nproc, flags, _) in enumerate(EP_CHAIN):
-        start_ = launch_checked if epoch in CHECKED else functools.partial(launch, N)
+        start_ = (functools.partial(launch_checked, layers=epoch == LAYERS_CHECKED) if epoch in CHECKED
+                  else functools.partial(launch, N))
         out = start_("--total_epochs", epoch + 1, "--n_experts", "4", *flags, *F64, nproc=nproc, cwd=directory)
         found.append((out, full_state(newest(directory / "checkpoints"), states)))
     return found, newest(directory / "checkpoints")
@@ -582,9 +592,21 @@ def test_checkpoints_these_scripts_cannot_go_on_from_are_one_line_from_rank_0(ma
         ("file", N, 2, F64, ["--snapshot_path checkpoints is a file, not a folder: each checkpoint is a folder"]),
     ]
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    # Under torchrun, the cases of 2 processes whose line comes after the process group: rank 0 says it, the other
+    # rank nothing. The others (one process, or the folder check rank 0 makes before its process group) as rank 0 of
+    # the launch, each its script's command line in a child forked from one process that imported torch once: a
+    # process group of one on a free port of its own.
+    launched = [case for case in cases if case[2] > 1 and case[0] != "file"]
     jobs = [start(torchrun_cmd(script, "--total_epochs", "12", *flags, nproc=nproc), cwd=tmp_path / case,
-                  env=clean_env(**ENV), merge_output=False) for case, script, nproc, flags, _ in cases]
-    for job, (*_, fragments) in zip(jobs, cases):
+                  env=clean_env(**ENV), merge_output=False) for case, script, nproc, flags, _ in launched]
+    alone = [case for case in cases if case not in launched]
+    results = forked([[script, ["--total_epochs", "12", *flags], nproc,
+                       {"cwd": tmp_path / case, "env": {**ENV, "MASTER_PORT": free_port()}}]
+                      for case, script, nproc, flags, _ in alone], cwd=tmp_path, env=clean_env(**ENV))
+    for job in jobs:
         out, err = finish(job, 300)
-        assert_said_by_rank_0(subprocess.CompletedProcess(job.args, job.returncode, out, err), *fragments)
+        results.append(subprocess.CompletedProcess(job.args, job.returncode, out, err))
+    assert len(results) == len(cases)
+    for result, (*_, fragments) in zip(results, alone + launched):
+        assert_said_by_rank_0(result, *fragments)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

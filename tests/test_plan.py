@@ -111,20 +111,22 @@ SCHEDULES = ("zbv", "dualpipev")
 
 @pytest.fixture(scope="module")
 def traced():
-    """The other tests' plan.py command lines in one process: 1F1B on 8 processes at the first and the last stage,
-    shortened and --every_microbatch; ZBV and DualPipeV; --search. {what: CompletedProcess}."""
+    """The other tests' plan.py command lines in one process: 1F1B on 8 processes at the first and the last stage (4
+    micro-batches: warmup + 1 of them are 3 and 2), shortened and --every_microbatch; ZBV and DualPipeV; --search.
+    {what: CompletedProcess}."""
     cases = {(rank, every): [*MODEL.split(), "--world_size", "8", "--dp_shard", "2", "--tp", "2", "--pp", "2",
-                             "--microbatches", "8", "--rank", str(rank), *(["--every_microbatch"] if every else [])]
+                             "--microbatches", "4", "--rank", str(rank), *(["--every_microbatch"] if every else [])]
              for rank in (0, 4) for every in (False, True)}
+    # 4 micro-batches on 2 ranks' V: DualPipeV's rank 0 runs 3 of its forwards paired with a backward (OVERLAP_F_B).
     cases.update({schedule: [*MODEL.split(), "--world_size", "4", "--dp_shard", "2", "--pp", "2", "--microbatches",
-                             "8", "--schedule", schedule] for schedule in SCHEDULES})
+                             "4", "--schedule", schedule] for schedule in SCHEDULES})
     cases["search"] = SEARCH
     return dict(zip(cases, forked([["plan.py", args, None] for args in cases.values()], cwd=REPO, timeout=900)))
 
 
 def test_plan_of_fewer_microbatches_is_exact(traced):
-    """1F1B traced over its first warmup + 1 micro-batches, the rest added as copies of the last: the same bytes,
-    FLOPs and peak as tracing all 8, on the first stage and the last."""
+    """1F1B traced over its first warmup + 1 micro-batches, the rest added as copies of the last (1 on the first
+    stage, 2 on the last): the same bytes, FLOPs and peak as tracing all 4, on the first stage and the last."""
     for rank in (0, 4):
         said = []
         for done in (traced[rank, False], traced[rank, True]):

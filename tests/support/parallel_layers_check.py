@@ -5,8 +5,15 @@ reference itself from the same seeded tensors. Prints one line per check, from r
 over every rank:
     cp 2 ring | forward 1.1e-16 | dq 2.2e-16 | dk 2.2e-16 | dv 1.1e-16
     ep 2 | forward 0.0e+00 | dx 0.0e+00 | drouter 0.0e+00 | dexperts 0.0e+00 | tokens per expert 9 7 ...
+With a script after it (and the script's flags), its process group destroyed, it then runs that script as
+`python script.py` would, in the same processes: the test's launch of nd_parallel.py carries these checks, rather
+than 4 more processes' start-up.
+
+    torchrun --standalone --nproc_per_node=4 tests/support/parallel_layers_check.py
+    torchrun --standalone --nproc_per_node=4 tests/support/parallel_layers_check.py nd_parallel.py --cp 4
 """
 import os
+import runpy
 import sys
 
 import torch
@@ -94,6 +101,7 @@ def check_ep(groups):
 
 def main():
     dist.init_process_group("gloo")
+    tile = context_parallel.TILE
     context_parallel.TILE = 3  # the ring's keys in tiles of 3: several a block, the last one short
     torch.set_num_threads(1)
     pairs = [[0, 1], [2, 3]]
@@ -105,7 +113,12 @@ def main():
         check_ep(groups[ep])
     del groups  # nothing may hold a group past destroy_process_group (the tests' probe checks)
     dist.destroy_process_group()
+    context_parallel.TILE = tile  # the script after these checks tiles as it would alone
 
 
 if __name__ == "__main__":
     main()
+    if len(sys.argv) > 1:  # the script to run next, as `python script.py flags` would
+        sys.argv = sys.argv[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+        runpy.run_path(sys.argv[0], run_name="__main__")

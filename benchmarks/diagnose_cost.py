@@ -5,10 +5,10 @@ machine.
     python benchmarks/diagnose_cost.py                               # 5 pairs of each; some minutes
     python benchmarks/diagnose_cost.py --quick --jobs step3 --out out   # a smoke test: one pair, 5 epochs of step 3
 
-Each launch is `torchrun --standalone --nproc_per_node=2` in a fresh folder; its samples/s come from the summary
-line (the training loop only, start-up excluded). The figure is the median of the paired ratios (with the tool /
-without), against the noise: the spread of the same ratio between the pairs. Every other pair runs the prefixed
-launch first.
+Each launch is `torchrun --standalone --nproc_per_node=2` (--quick: 1) in a fresh folder; its samples/s come from
+the summary line (the training loop only, start-up excluded). The figure is the median of the paired ratios (with
+the tool / without), against the noise: the spread of the same ratio between the pairs. Every other pair runs the
+prefixed launch first.
 Writes diagnose_cost.json to --out (default benchmarks/results).
 """
 import argparse
@@ -37,9 +37,9 @@ def jobs(args):
     return dict(every[job] for job in args.jobs)
 
 
-def throughput(script_args, prefixed, timeout):
+def throughput(script_args, prefixed, timeout, nproc):
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [str(a) for a in torchrun_cmd(*script_args)]
+        argv = [str(a) for a in torchrun_cmd(*script_args, nproc=nproc)]
         if script_args[0] == "multigpu_torchrun.py":
             argv += ["--snapshot_path", f"{tmp}/snapshot.pt"]
         else:
@@ -62,8 +62,12 @@ def main():
     parser.add_argument("--out", default=report.DEFAULT_OUT, help="folder for diagnose_cost.json")
     parser.add_argument("--launch_timeout", type=float, default=600)
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: one pair, step 3 for 5 epochs, train.py for 1 (not figures to keep)")
+                        help="a smoke test: one pair of one-process launches, step 3 for 5 epochs, train.py for 1 "
+                             "(not figures to keep)")
     args = parser.parse_args()
+    # --quick: one process a launch, which runs every path of this file (the prefix, the pairs, the ratios) at
+    # half the launches' start-up CPU; not a figure to keep.
+    nproc = 1 if args.quick else 2
     if args.quick:
         args.repeats, args.epochs = 1, 1
     if args.repeats < 1 or args.epochs < 1:
@@ -74,21 +78,21 @@ def main():
         for repeat in range(args.repeats):
             # Every other pair runs the prefixed launch first: the order of the two must not become the figure.
             order = (False, True) if repeat % 2 == 0 else (True, False)
-            rates = {prefixed: throughput(script_args, prefixed, args.launch_timeout) for prefixed in order}
+            rates = {prefixed: throughput(script_args, prefixed, args.launch_timeout, nproc) for prefixed in order}
             pairs.append((rates[False], rates[True]))
         ratios = [tool / plain for plain, tool in pairs]
         rows.append({"job": name, "samples_per_s_without": statistics.median(p for p, _ in pairs),
                      "samples_per_s_with": statistics.median(t for _, t in pairs),
                      "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                      "pairs": pairs})
-    machine = report.machine("gloo", 2)
+    machine = report.machine("gloo", nproc)
     print(report.machine_line(machine))
     print(report.table(["job", "samples/s without", "with diagnose", "ratio (median, min-max of pairs)"],
                        [[r["job"], f"{r['samples_per_s_without']:.0f}", f"{r['samples_per_s_with']:.0f}",
                          f"{r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"] for r in rows]))
     path = report.write_json(Path(args.out) / "diagnose_cost.json",
-                             {"machine": machine, "repeats": args.repeats, "epochs": args.epochs, "quick": args.quick,
-                              "rows": rows})
+                             {"machine": machine, "processes": nproc, "repeats": args.repeats, "epochs": args.epochs,
+                              "quick": args.quick, "rows": rows})
     print(f"Wrote {path}")
 
 

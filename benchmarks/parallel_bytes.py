@@ -5,7 +5,7 @@ training loop of the same model and data, on the CPU (gloo).
 
     python benchmarks/parallel_bytes.py              # 14 layouts on 2, 4 and 8 processes, and one process
     python benchmarks/parallel_bytes.py --quick      # the 5 layouts of 2 processes and one process, 4 steps each
-                                                     # (a smoke test: 2 repeats, a short matmul peak)
+                                                     # (a smoke test: 1 repeat, a short matmul peak)
 
 The model is small, so that 8 processes run on 2 cores: language_model.Decoder with --dim 32 --n_layers 4
 --n_heads 8 --n_kv_heads 4 --hidden 64 --seq_len 16 (53,536 parameters; 4 key/value heads, so that --tp 4 divides
@@ -505,7 +505,7 @@ def plot(results, single, args, parameters, path):
 
 def main(args):
     args.steps = args.steps or (4 if args.quick else 8)
-    args.repeats = args.repeats or (2 if args.quick else 5)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     # --quick, a smoke test: each matmul peak timed once for 0.1 s, not the best of 3 of 0.5 s on every core.
     timing = {"seconds": 0.1, "trials": 1} if args.quick else {}
     if args.steps <= WARMUP:
@@ -585,7 +585,7 @@ if __name__ == "__main__":
                         help="sequences a step over all ranks (default 64)")
     parser.add_argument("--repeats", type=common.positive_int,
                         help="runs of nd_parallel.py on one process and of the plain loop, alternating (default 5; "
-                             "--quick 2)")
+                             "--quick 1)")
     parser.add_argument("--timeout", type=common.positive_float, default=900, help="seconds for each job")
     parser.add_argument("--out", default=report.DEFAULT_OUT, help="folder of parallel_bytes.json and .png")
     common.run(main, parser)

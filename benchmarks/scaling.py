@@ -21,7 +21,7 @@ The loop feeds pre-built batches and never reads the loss back per step, so the 
 syncs stay out of the figures; --profile measures them, DDP's bucket settings and Join, one at a time.
 --comm_hook (several) and --zero add a DDP loop per setting, each with the bytes it hands to all-reduce per
 step, and for SimpleCNN the held-out accuracy after --accuracy_steps steps of training on 8,000 MNIST
-images (evaluated on the other 2,000 of the test set, the tests' split) with that setting.
+images (evaluated on the other 2,000 of the test set, the tests' split; --quick: 200 of them) with that setting.
 Targets (SimpleCNN, batch 64 per rank, 1 thread per rank): ddp >= 0.9 x ceiling at 2 ranks, and at
 most 5% DDP overhead at 1 rank; with --comm_hook/--zero, some setting >= 0.9 x ceiling at 2 ranks with
 accuracy within 0.5 points of no compression. Writes scaling.json and scaling.png (and scaling-comm.png
@@ -218,9 +218,10 @@ def held_out_accuracy(case, device, rank, world_size, args):
         if step == args.accuracy_steps:
             break
     counts = torch.zeros(2, device=device)  # correct, images
+    images = min(len(eval_set), args.accuracy_images or len(eval_set))
     with torch.no_grad():
         # Every image on exactly one rank (DistributedSampler would pad the ranks to equal shares).
-        for x, y in DataLoader(Subset(eval_set, range(rank, len(eval_set), world_size)), batch_size=500):
+        for x, y in DataLoader(Subset(eval_set, range(rank, images, world_size)), batch_size=500):
             predicted = model.module(x.to(device))["logits"].argmax(1)
             counts += torch.stack([(predicted == y.to(device)).sum(), torch.tensor(len(y), device=device)])
     dist.all_reduce(counts)
@@ -490,6 +491,9 @@ def main(args):
     if args.quick:
         args.repeats, args.seconds, args.warmup = 1, 0.1, 2
         args.accuracy_steps = min(args.accuracy_steps, 3)
+    # --quick scores 200 held-out images, not all: after 3 steps of training its accuracy only shows that it is
+    # measured, and every 1,000 images scored cost a rank about a second of CPU.
+    args.accuracy_images = 200 if args.quick else None
     if args.accuracy_steps and "cnn" in args.models:
         mnist_tensors(args.data_dir)  # missing or broken files: one line now, not one per rank later
     cores = common.usable_cores()
@@ -519,7 +523,8 @@ def main(args):
               "world_sizes": args.world_sizes, "threads_per_rank": args.threads, "repeats": args.repeats,
               "seconds_per_measurement": args.seconds, "ddp_settings": DDP_SETTINGS, "quick": args.quick,
               "powersgd": {"rank": args.powersgd_rank, "warmup": args.powersgd_warmup},
-              "accuracy_steps": args.accuracy_steps, "accuracy_lr": ACCURACY_LR, "targets": verdicts, "results": rows}
+              "accuracy_steps": args.accuracy_steps,
+              "accuracy_images": args.accuracy_images, "accuracy_lr": ACCURACY_LR, "targets": verdicts, "results": rows}
     print(f"Wrote {report.write_json(args.out / 'scaling.json', result)}")
     plot_result(result, args.out)
     print(f"Wrote the plots to {args.out}")

@@ -84,7 +84,7 @@ def test_scaling_quick_writes_efficiencies(tmp_path):
                  cwd=REPO, timeout=180)
     data = json.loads((tmp_path / "scaling.json").read_text())
     assert_machine(data, "gloo", None)
-    assert data["threads_per_rank"] == 1 and data["world_sizes"] == [1, 2]
+    assert data["threads_per_rank"] == 1 and data["world_sizes"] == [1, 2] and data["accuracy_images"] == 200
     rows = {(r["setting"], r["world_size"]): r for r in data["results"]}
     assert set(rows) == {("ddp", 1), ("ddp", 2), ("ddp+powersgd", 1), ("ddp+powersgd", 2)}
     for (setting, n), r in rows.items():
@@ -140,6 +140,7 @@ def test_diagnose_cost_pairs_each_job_with_and_without_the_prefix(tmp_path):
         cwd=REPO, timeout=600)  # train.py's pair launches the same way
     data = json.loads((tmp_path / "diagnose_cost.json").read_text())
     assert data["machine"]["torch"] == torch.__version__ and data["quick"] and data["repeats"] == 1
+    assert data["processes"] == data["machine"]["world_size"] == 1  # --quick: one process a launch
     assert [row["job"].split()[0] for row in data["rows"]] == ["multigpu_torchrun.py"]
     for row in data["rows"]:
         (without, with_tool), = row["pairs"]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import (BIN, HANG_GUARD_S, PROGRAMS, REPO, assert_same_training_state, children, clean_env, environ,
-                      finish, free_port, load_snapshot, mpi_env, mpirun_cmd, python_cmd, run, start, stopped_worker,
-                      torchrun_cmd, torchrun_worker, wait_for)
+                      finish, free_port, load_snapshot, mpi_env, mpirun_cmd, python_cmd, rank_0_env, run, start,
+                      stopped_worker, torchrun_cmd, torchrun_worker, wait_for)
 
 FLAGS = ("--save_every", "2", "--batch_size", "16")
 EPOCHS = "8"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
@@ -82,20 +82,22 @@ def test_torchrun_restarts_killed_workers_and_ends_bitwise_equal(tmp_path, unint
 
 def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path, uninterrupted):
     """From a copy of the uninterrupted run's snapshot (epoch 8), one epoch more, at 1 rank: rank 0 alone saves the
-    snapshot (the other ranks' part in a save is none), and a process less a launch."""
+    snapshot (the other ranks' part in a save is none), in the environment torchrun gives it (rank_0_env), without
+    torchrun: a process less a launch, and the launcher has no part in a save."""
     path = tmp_path / "multigpu_torchrun.pt"
     path.write_bytes(uninterrupted.read_bytes())
     before = path.read_bytes()
     more = str(int(EPOCHS) + 1)
     # A real SIGKILL in the middle of the script's own save: torch.save writes part of the file, then rank 0 dies.
-    killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=1", PROGRAMS / "dying_save.py",
-                  REPO / "multigpu_torchrun.py", "--total_epochs", more, *FLAGS], cwd=tmp_path, check=False)
-    assert killed.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in killed.stderr, killed.stderr[-3000:]
+    killed = run([sys.executable, PROGRAMS / "dying_save.py", REPO / "multigpu_torchrun.py", "--total_epochs", more,
+                  *FLAGS], cwd=tmp_path, check=False, env=rank_0_env(1, MASTER_PORT=free_port()))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in killed.stdout
     assert path.read_bytes() == before, "the old snapshot must be untouched"
     assert (tmp_path / "multigpu_torchrun.pt.tmp").read_bytes() == b"the first half of a snapshot"
 
-    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", more, *FLAGS, nproc=1), cwd=tmp_path).stdout
+    out = run(python_cmd("multigpu_torchrun.py", "--total_epochs", more, *FLAGS), cwd=tmp_path,
+              env=rank_0_env(1, MASTER_PORT=free_port())).stdout
     assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in out
     assert load_snapshot(path)["epochs_run"] == int(more)
     assert not (tmp_path / "multigpu_torchrun.pt.tmp").exists(), "the next save replaces what a dead writer left"

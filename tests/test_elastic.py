@@ -74,15 +74,19 @@ def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_
     node 1 joins with an older snapshot of the run (it resumes from node 0's, the newest, sent by rank 0);
     node 1 dies (SIGKILL of its agent and its worker) and node 0 goes on alone after a restart;
     node 2 joins with no snapshot and takes rank 0 (it resumes from node 0's, sent by rank 1), without
-    --max_restarts (a join costs none), and the two finish together."""
+    --max_restarts (a join costs none), and the two finish together. Nodes 0 and 1 run docs/elastic.md's two
+    commands as written (another port, 12 epochs), node 2 node 1's with node2.pt and --max_restarts=0. Without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the page sets, the agents wait 60 s on torchrun's shared store when
+    a node joins and fail (DistStoreError: wait timeout)."""
     port, go = free_port(), tmp_path / "go"
+    commands = documented_nodes(port)
     node0, node1, node2 = (tmp_path / f"node{n}.pt" for n in range(3))
     env = paced(ELASTIC, tmp_path / "probe", 0.02)  # 1.3 s an epoch alone: node 0 cannot run to the end unseen
     # A node started now (tests/support/programs/held_back.py) that runs its command only once the file `go`
     # exists. Its process, which torchrun becomes (exec keeps the pid), exists before the other nodes': torchrun
     # orders the nodes of a rendezvous by address, then pid, so this node takes rank 0 when it joins.
-    late = start([sys.executable, PROGRAMS / "held_back.py", go, *agent_cmd(2, port, max_restarts=0)], tmp_path, env)
-    first = start(agent_cmd(0, port), tmp_path, env)
+    late = start([sys.executable, PROGRAMS / "held_back.py", go, *commands[2]], tmp_path, env)
+    first = start(commands[0], tmp_path, env)
     assert late.pid < first.pid, "node 2's pid must be the lower one (pid numbers wrapped around?)"
 
     # Node 1 joins with an older snapshot: a copy of node 0's first (rename makes every save whole).
@@ -92,7 +96,7 @@ def test_nodes_join_with_an_older_snapshot_and_none_and_leave_and_training_goes_
     wait_for(lambda: epochs_in(node0) > older or first.poll() is not None, 120, "a newer snapshot on node 0")
     held = hold(first, restart=0)
     join1 = epochs_in(node0)
-    second = start(agent_cmd(1, port), tmp_path, env)
+    second = start(commands[1], tmp_path, env)
     release_when_stopped_by_torchrun(held)
 
     # Node 1 leaves once it saved at world size 2: the whole node dies, its torchrun agent and its worker. (A
@@ -167,29 +171,19 @@ def documented_commands():
              tokens[tokens.index("torchrun") + 1:]) for tokens in found]
 
 
-def test_the_documented_elastic_command_lets_a_node_join(tmp_path):
-    """docs/elastic.md's two commands as written (another port, 8 epochs): node 1 joins node 0's running job
-    and both finish at world size 2. Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the page sets, the
-    agents wait 60 s on torchrun's shared store when node 1 joins and both fail (DistStoreError: wait timeout)."""
-    port = free_port()
+def documented_nodes(port):
+    """docs/elastic.md's two commands (node 0's, node 1's) as written but for the port and EPOCHS, and a third node's:
+    node 1's with node2.pt and --max_restarts=0. The page sets the variable alone, as ELASTIC does."""
     nodes = []
     for variables, args in documented_commands():
         assert variables == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, variables
         args = [f"--rdzv_endpoint=127.0.0.1:{port}" if a.startswith("--rdzv_endpoint=") else
                 REPO / a if a == "multinode.py" else a for a in args]
-        args[args.index("--total_epochs") + 1] = "8"
-        nodes.append((BIN / "torchrun", *args))
-    env = paced(clean_env(**variables), tmp_path / "probe", 0.01)  # 0.6 s an epoch alone
-    first = start(nodes[0], tmp_path, env)
-    wait_for(lambda: epochs_in(tmp_path / "node0.pt") >= 1 or first.poll() is not None, 120, "node 0's snapshot")
-    held = hold(first, restart=0)
-    second = start(nodes[1], tmp_path, env)
-    release_when_stopped_by_torchrun(held)
-    out0, out1 = finish(first, 300), finish(second, 60)
-    assert [first.returncode, second.returncode] == [0, 0], (out0, out1)
-    both = out0 + out1
-    assert "World size 1 -> 2 at epoch" in both and summary(both).world_size == 2, both[-3000:]
-    assert load_snapshot(tmp_path / "node0.pt")["epochs_run"] == load_snapshot(tmp_path / "node1.pt")["epochs_run"] == 8
+        args[args.index("--total_epochs") + 1] = str(EPOCHS)
+        nodes.append([BIN / "torchrun", *args])
+    third = ["--max_restarts=0" if a == "--max_restarts=3" else "node2.pt" if a == "node1.pt" else a for a in nodes[1]]
+    assert third.count("--max_restarts=0") == third.count("node2.pt") == 1, third
+    return [*nodes, third]
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 Every wait here is on a file or a process state, never a fixed sleep.
 """
-import json
 import os
 import re
 import signal
@@ -12,11 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
-from conftest import (BIN, HANG_GUARD_S, PROGRAMS, REPO, assert_bitwise_equal, assert_same_training_state, children,
-                      clean_env, environ, finish, free_port, load_snapshot, mpi_env, mpirun_cmd, python_cmd, run, start,
-                      stopped_worker, summary, torchrun_cmd, torchrun_worker, wait_for)
+from conftest import (BIN, HANG_GUARD_S, PROGRAMS, REPO, assert_same_training_state, children, clean_env, environ,
+                      finish, free_port, load_snapshot, mpi_env, mpirun_cmd, python_cmd, rank_0_env, run, start,
+                      stopped_worker, torchrun_cmd, torchrun_worker, wait_for)
 
 FLAGS = ("--save_every", "2", "--batch_size", "16")
 EPOCHS = "8"  # long enough that a kill after the first snapshot (epoch 2) and one after epoch 6 land before the end
@@ -84,20 +82,22 @@ def test_torchrun_restarts_killed_workers_and_ends_bitwise_equal(tmp_path, unint
 
 def test_a_worker_killed_while_saving_leaves_the_previous_snapshot(tmp_path, uninterrupted):
     """From a copy of the uninterrupted run's snapshot (epoch 8), one epoch more, at 1 rank: rank 0 alone saves the
-    snapshot (the other ranks' part in a save is none), and a process less a launch."""
+    snapshot (the other ranks' part in a save is none), in the environment torchrun gives it (rank_0_env), without
+    torchrun: a process less a launch, and the launcher has no part in a save."""
     path = tmp_path / "multigpu_torchrun.pt"
     path.write_bytes(uninterrupted.read_bytes())
     before = path.read_bytes()
     more = str(int(EPOCHS) + 1)
     # A real SIGKILL in the middle of the script's own save: torch.save writes part of the file, then rank 0 dies.
-    killed = run([BIN / "torchrun", "--standalone", "--nproc_per_node=1", PROGRAMS / "dying_save.py",
-                  REPO / "multigpu_torchrun.py", "--total_epochs", more, *FLAGS], cwd=tmp_path, check=False)
-    assert killed.returncode != 0 and "Signal 9 (SIGKILL) received by PID" in killed.stderr, killed.stderr[-3000:]
+    killed = run([sys.executable, PROGRAMS / "dying_save.py", REPO / "multigpu_torchrun.py", "--total_epochs", more,
+                  *FLAGS], cwd=tmp_path, check=False, env=rank_0_env(1, MASTER_PORT=free_port()))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in killed.stdout
     assert path.read_bytes() == before, "the old snapshot must be untouched"
     assert (tmp_path / "multigpu_torchrun.pt.tmp").read_bytes() == b"the first half of a snapshot"
 
-    out = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", more, *FLAGS, nproc=1), cwd=tmp_path).stdout
+    out = run(python_cmd("multigpu_torchrun.py", "--total_epochs", more, *FLAGS), cwd=tmp_path,
+              env=rank_0_env(1, MASTER_PORT=free_port())).stdout
     assert f"Resuming from multigpu_torchrun.pt at epoch {EPOCHS}" in out
     assert load_snapshot(path)["epochs_run"] == int(more)
     assert not (tmp_path / "multigpu_torchrun.pt.tmp").exists(), "the next save replaces what a dead writer left"
@@ -296,34 +296,3 @@ def test_mpirun_stops_every_rank_when_one_is_killed(tmp_path):
     assert time.monotonic() - began < 30, "mpirun must stop the other ranks promptly"
     assert not any(running(pid, "run_with_mpirun.py") for pid in ranks)
     assert load_snapshot(tmp_path / "run_with_mpirun.pt")["epochs_run"] >= 1
-
-
-@pytest.mark.slow
-def test_train_py_restarted_by_torchrun_resumes_mid_epoch_from_its_newest_checkpoint_bitwise(tmp_path, mnist_dir):
-    """The Trainer's own checkpoints every 3 steps (--save_strategy steps), rank 1 killed after step 7, mid-epoch 1:
-    the restarted group goes on from the newest complete checkpoint (6), skipping the batches of the epoch it had
-    done, and ends with the weights of a run that was never killed, to the bit. (A kill while rank 1 saves:
-    test_a_worker_killed_while_saving_leaves_the_previous_snapshot and tests/test_step_checkpoints.py.)"""
-    flags = ("--data_dir", mnist_dir, "--max_train_samples", "512", "--max_eval_samples", "64", "--num_train_epochs",
-             "3", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no", "--disable_tqdm", "True")
-    run(torchrun_cmd("train.py", *flags, "--output_dir", tmp_path / "straight"), cwd=tmp_path, timeout=HANG_GUARD_S)
-    out_dir = tmp_path / "out"
-    # Rank 1 stopped by the probe after step 7 (rank 0 marked checkpoint-6 complete before step 7's all-reduce).
-    (tmp_path / "probe").mkdir()
-    env = clean_env(DDP_EXAMPLES_PROBE_SAMPLES=tmp_path / "probe", DDP_EXAMPLES_PROBE_STOP_AT="1:0:7")
-    job = start(torchrun_cmd("train.py", *flags, "--output_dir", out_dir, extra=("--max_restarts=2",)), cwd=tmp_path,
-                env=env)
-    os.kill(stopped_worker(job, 1), signal.SIGKILL)
-    # torchrun stops the old group before it starts the new one: the checkpoints there are then all there are.
-    wait_for(lambda: torchrun_worker(job.pid, local_rank=0, restart=1) or job.poll() is not None, 120,
-             "the restarted group")
-    complete = [int(p.parent.name.split("-")[1]) for p in out_dir.glob("checkpoint-*/complete")]
-    out = finish(job, HANG_GUARD_S)
-    assert job.returncode == 0, out
-    resumed = re.search(r"resuming from \S*/checkpoint-(\d+)", out)
-    assert max(complete) == 6 and resumed and int(resumed[1]) == 6, (complete, out[-2000:])
-    # 512 images, 2 ranks of 64: 4 steps an epoch. The restarted group ran what was left after that checkpoint.
-    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 12
-    assert summary(out).steps == 12 - max(complete), out[-2000:]
-    straight, resumed_model = (load_file(d / "model.safetensors") for d in (tmp_path / "straight", out_dir))
-    assert_bitwise_equal(resumed_model, straight, "the killed run's model against the uninterrupted one's")

@@ -6,10 +6,10 @@ the job ends within --timeout plus about 30 seconds with nothing left running (c
 processes outlive it). The wheel installed in a venv of its own, under each launcher, with the other shapes of
 user scripts: test_diagnose_installed.py. srun's case is in test_slurm.py, beside its cluster. A skipped collective
 and another shape without TORCH_DISTRIBUTED_DEBUG (the same line from the same tool under torchrun, torchfrtrace on
-the dumps) and a healthy job that pays nothing are in test_hangs.py, on hangs.py, which docs/hangs.md runs.
+the dumps), a rank stalled in its own code (under a venv that finds torch outside its Python's own packages) and a
+healthy job that pays nothing are in test_hangs.py, on hangs.py, which docs/hangs.md runs.
 """
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -175,35 +175,6 @@ def test_bad_input_is_one_line(args, message):
                             timeout=60)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse's usage line, then the error
-
-
-@pytest.mark.quick
-def test_a_stalled_rank_is_named_with_the_line_where_it_stands_with_torch_outside_its_pythons_own_packages(tmp_path):
-    """torchrun (torch.distributed.run) with rank 1 stalled in its own code: the collective rank 0 waits in, and rank
-    1's line. Under a venv that finds torch through a .pth file in a folder of no Python's own (as a venv over a
-    container image's torch can), the tool installed there as pip installs it editable (a .pth to its source, and its
-    hook's .pth): torch's frames are still not taken for the user's line. mp.spawn and mpirun:
-    test_diagnose_installed.py."""
-    venv, elsewhere = tmp_path / "venv", tmp_path / "torch-packages"
-    elsewhere.symlink_to(Path(torch.__file__).parent.parent)  # the frames' paths then start here
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
-    python = venv / "bin" / "python"
-    packages = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   check=True, capture_output=True, text=True).stdout.strip())
-    (packages / "elsewhere.pth").write_text(f"{elsewhere}\n")
-    (packages / "_torchdiagnose.pth").write_text(f"{SOURCE}\n")
-    shutil.copy(SOURCE / "torchdiagnose-hook.pth", packages)
-    cmd = [python, "-m", "torchdiagnose", "--timeout", str(TIMEOUT), python, "-m", "torch.distributed.run",
-           "--standalone", "--nproc_per_node=2", user_script(tmp_path)]
-    code, lines = watch(cmd, tmp_path, env_for("torchrun", FAULT="stall"))
-    line = the_line(lines)
-    assert code != 0
-    assert line.startswith("diagnose: collective #12 (all_reduce of [1409], DDP's gradients in backward() at "
-                           f"{line_of('the backward line')}) waited more than --timeout {TIMEOUT}s"), line
-    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('the stall')}, idle" in line, line
-    assert "flight recorder: `torchfrtrace fr_traces/" in line, line  # both ranks answered, so both dump
-    assert (tmp_path / "fr_traces").is_dir()
-    ended_in_time(lines, "stall")
 
 
 def test_the_private_torch_apis_it_uses_exist():

@@ -5,10 +5,15 @@ user's script under every launcher, are in test_diagnose.py; here run_with_mpiru
 by a wrapper that deadlocks one rank after an optimizer step.
 """
 import json
+import re
 import shlex
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import (BIN, PROGRAMS, REPO, assert_one_line_error, clean_env, mpi_env, mpirun_cmd, python_cmd,
                       rank_0_env, run, torchrun_cmd, watch)
@@ -17,6 +22,7 @@ TIMEOUT = 8  # the tool's --timeout: long enough that a loaded 2-core machine ne
 DEADLINE_S = TIMEOUT + 30  # from the fault to the job's end
 MLP_PARAMETERS = 20 * 64 + 64 + 64 * 64 + 64 + 64 + 1  # models_and_data.MLP(20): one gradient bucket
 SOURCE = (REPO / "hangs.py").read_text().splitlines()
+TOOL_SOURCE = REPO / "diagnose" / "src"  # the tool's package, as an editable install points at it
 
 
 def line_of(marker, source=SOURCE, name="hangs.py"):
@@ -108,16 +114,38 @@ def test_another_collective_is_named_on_both_sides(tmp_path):
 def test_another_shape_aborts_its_rank_and_is_named(tmp_path):
     """gloo pairs the two all_gathers and aborts the rank that received more than it expected."""
     line, lines = hangs_py(tmp_path, "other_shape", aborts=True)
-    assert "killed by SIGABRT" in line and "another shape" in line, line
+    assert re.search(r"rank \d is gone: killed by SIGABRT \(pid \d+, on [^)]+\); gloo aborts a process whose peer's "
+                     r"collective does not match its own \(another shape or kind\)", line), line
     assert "Received data size doesn't match expected size" in "\n".join(text for _, text in lines)
 
 
 @pytest.mark.quick
-def test_a_rank_stuck_in_its_own_code_is_named_with_its_line(tmp_path):
-    line, lines = hangs_py(tmp_path, "stall")
+def test_a_rank_stuck_in_its_own_code_is_named_with_its_line_with_torch_outside_its_pythons_own_packages(tmp_path):
+    """Rank 0 waits in DDP's gradient all_reduce, rank 1 deadlocks in hangs.py's own code: the collective, rank 1's
+    line, and both ranks' dumps. The launch runs in a venv that finds torch through a .pth file in a folder of no
+    Python's own (as a venv over a container image's torch can), with the tool installed there as pip installs it
+    editable (a .pth to its source, and its hook's .pth): torch's frames (rank 0's backward) are still not taken for
+    the script's line (torch/autograd/graph.py was, once, on such a machine)."""
+    venv, elsewhere = tmp_path / "venv", tmp_path / "torch-packages"
+    elsewhere.symlink_to(Path(torch.__file__).parent.parent)  # the frames' paths then start here
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    python = venv / "bin" / "python"
+    packages = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   check=True, capture_output=True, text=True).stdout.strip())
+    (packages / "elsewhere.pth").write_text(f"{elsewhere}\n")
+    (packages / "_torchdiagnose.pth").write_text(f"{TOOL_SOURCE}\n")
+    shutil.copy(TOOL_SOURCE / "torchdiagnose-hook.pth", packages)
+    faulty = [REPO / "hangs.py", "--fault", "stall", "--fault_rank", "1", "--at_step", "3"]
+    cmd = [python, "-m", "torchdiagnose", "--timeout", str(TIMEOUT), python, "-m", "torch.distributed.run",
+           "--standalone", "--nproc_per_node=2", *faulty]
+    code, lines = watch(cmd, tmp_path, clean_env())
+    assert code != 0
+    line = the_line(lines)
     assert line.startswith("diagnose: collective #") and f"({BACKWARD}) waited more than --timeout {TIMEOUT}s" in line
-    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('lock.acquire()  # never returns')}" \
-        in line, line
+    assert f"rank 1 did not arrive: it is alive, in its own code at {line_of('lock.acquire()  # never returns')}, " \
+        "idle" in line, line
+    assert "flight recorder: `torchfrtrace fr_traces/" in line, line  # both ranks answered, so both dump
+    assert (tmp_path / "fr_traces").is_dir()
     assert ends_in_time(lines, "rank 1: --fault stall at step 3") > TIMEOUT, "rank 0 waited the tool's --timeout"
 
 

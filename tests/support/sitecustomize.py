@@ -42,12 +42,8 @@ On request, through the environment:
   first; a pipeline stage: its first layer, for the step's first micro-batch), once the layer's input has arrived
   (an input still in flight, as DTensor's AsyncCollectiveTensor, is waited for first: else a stopped rank's stall
   races its last collective, which the other rank may then wait in). HOW=sleep (its Python waits in the forward),
-  stop (it SIGSTOPs itself), kill (it SIGKILLs itself), skip (it leaves the layer out, and its collectives),
-  backward (it sleeps in the backward of that call: when the gradient of the layer's output has come). It prints
-  "rank R: stall HOW" first. With HOW:R:N:KIND@DIM (e.g. stop:3:12:reduce_scatter@dp_shard), rank R stalls (sleep,
-  stop or kill) instead as it enters the first collective of that kind (torch.distributed's reduce_scatter_*: FSDP2's
-  gradients) in its DeviceMesh group of dimension DIM after its N-th step, before issuing it: a fault that first
-  shows to that group's other ranks.
+  stop (it SIGSTOPs itself), kill (it SIGKILLs itself), backward (it sleeps in the backward of that call: when the
+  gradient of the layer's output has come). It prints "rank R: stall HOW" first.
 - DDP_EXAMPLES_PROBE_KILL_IN_SAVE=R:FOLDER: rank R, when DCP writes a file into a folder named FOLDER (a
   checkpoint's staging folder, epoch_000004.tmp), writes half a file ("half a shard, written by <thread>") and
   SIGKILLs itself: a real death in the middle of a save, in whichever thread saves.
@@ -86,8 +82,6 @@ def say(line):
 
 
 def patch_c10d(module):
-    if len(os.environ.get("DDP_EXAMPLES_PROBE_STALL", "").split(":")) == 4:
-        patch_stall_in_collective(module)
     destroy = module.destroy_process_group
 
     def checked(group=None):
@@ -259,8 +253,6 @@ def patch_stall(module):
         say(f"rank {rank}: stall {how}")
         if how in ("stop", "kill"):
             os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
-        if how == "skip":  # the layer left out, and with it its collectives: the rank goes on to the next layer's
-            return x
         if how == "backward":
             out = forward(self, x)
             out.register_hook(lambda grad: time.sleep(3600))  # the backward stall
@@ -269,47 +261,6 @@ def patch_stall(module):
         return forward(self, x)
 
     module.DecoderLayer.forward = forward_or_stall
-
-
-def patch_stall_in_collective(module):
-    """DDP_EXAMPLES_PROBE_STALL=HOW:R:N:KIND@DIM: wrap torch.distributed's KIND and KIND_* functions (before
-    torch.distributed copies their names) so that rank R stalls once, entering the first of them in the mesh group of
-    dimension DIM after its N-th step."""
-    import functools
-    import inspect
-    how, rank, step, where = os.environ["DDP_EXAMPLES_PROBE_STALL"].split(":")
-    kind, dimension = where.split("@")
-    if os.environ.get("RANK") != rank:
-        return
-    steps = []  # the optimizer steps, counted from the first call (torch is imported by then), before any step
-
-    def count(optimizer, args, kwargs):
-        steps[0] += 1
-
-    def stalling(function):
-        signature = inspect.signature(function)
-
-        @functools.wraps(function)
-        def stall_or_call(*args, **kwargs):
-            if not steps:
-                from torch.optim.optimizer import register_optimizer_step_post_hook
-                register_optimizer_step_post_hook(count)  # every optimizer's
-                steps.append(0)
-            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-            if steps[0] == int(step) and getattr(group, "group_desc", None) == f"mesh_{dimension}":
-                steps[0] = -1  # once
-                say(f"rank {rank}: stall {how}")
-                if how in ("stop", "kill"):
-                    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
-                else:
-                    time.sleep(3600)
-            return function(*args, **kwargs)
-        return stall_or_call
-
-    for name in [n for n in dir(module) if n == kind or n.startswith(kind + "_")]:
-        function = getattr(module, name)
-        if inspect.isfunction(function) and "group" in inspect.signature(function).parameters:
-            setattr(module, name, stalling(function))
 
 
 def hold(module):
@@ -355,7 +306,7 @@ if os.environ.get("DDP_EXAMPLES_PROBE_FAKE_MPS"):
     PATCHES["torch"] = patch_mps
 if os.environ.get("DDP_EXAMPLES_PROBE_KILL_IN_SAVE"):
     PATCHES["torch.distributed.checkpoint.filesystem"] = patch_kill_in_save
-if len(os.environ.get("DDP_EXAMPLES_PROBE_STALL", "").split(":")) == 3:  # with a 4th field: patch_c10d's
+if os.environ.get("DDP_EXAMPLES_PROBE_STALL"):
     PATCHES["language_model"] = patch_stall
 if os.environ.get("DDP_EXAMPLES_HOLD") and "LOCAL_RANK" in os.environ:
     PATCHES[os.environ["DDP_EXAMPLES_HOLD"].split(":")[0]] = hold

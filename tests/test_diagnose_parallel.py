@@ -7,9 +7,9 @@ The scripts are not edited, and train language_model.Decoder at SIZES on a few t
 text: the tests' probe (tests/support/sitecustomize.py, DDP_EXAMPLES_PROBE_STALL) makes one rank stall in the first
 DecoderLayer.forward it runs after a given number of optimizer steps (tensor parallelism: layers.0; in a pipeline,
 the stage's first layer, for the step's first micro-batch), once the layer's input has arrived: sleep (its Python
-waits: the rank is named alive, idle, at its line), stop (it SIGSTOPs itself: named stopped), backward (it sleeps
-in the backward of that call, when the gradient of the layer's output has come) and kill (it SIGKILLs itself). On a
-mesh the line names each waiting rank's collective in its group (DTensor's all-gather, a pipeline's send,
+waits: the rank is named alive, idle, at its line), stop (it SIGSTOPs itself: named stopped), and backward (it sleeps
+in the backward of that call, when the gradient of the layer's output has come), kill and skip (it leaves the layer
+out). On a mesh the line names each waiting rank's collective in its group (DTensor's all-gather, a pipeline's send,
 FSDP2's reduce-scatter). The lines of the scripts are found in their text, so that edits elsewhere in them do not
 break the tests.
 """
@@ -44,7 +44,7 @@ def waiting(line):
     return dict(re.findall(r"(?:waiting: |; )(rank \d) in (.*?), for rank", line))
 
 
-def diagnosed(tmp_path, script, stall, rank, step, nproc=2, args=(), timeout=TIMEOUT):
+def diagnosed(tmp_path, script, stall, rank, step, nproc=2, args=(), aborts=False, timeout=TIMEOUT):
     """Launch `script` on `nproc` ranks under torchdiagnose with rank `rank` stalled in step `step`: the tool's line
     (exactly one, repeated as the job's last line) once the job has ended, which it must within HANG_GUARD_S."""
     text = tmp_path / "text.txt"
@@ -53,7 +53,8 @@ def diagnosed(tmp_path, script, stall, rank, step, nproc=2, args=(), timeout=TIM
            REPO / script, *SIZES, *args, "--data", text, "--snapshot_path", tmp_path / "checkpoints"]
     stall_at = f"{stall}:{rank}:{step}"
     env = clean_env(OMP_NUM_THREADS=1, DDP_EXAMPLES_PROBE_STALL=stall_at)
-    code, lines = watch(cmd, tmp_path, env, guard=HANG_GUARD_S)
+    # gloo aborts a rank whose peer's collective does not match: `aborts` only where the test means it.
+    code, lines = watch(cmd, tmp_path, env, aborts=aborts, guard=HANG_GUARD_S)
     output = "\n".join(text for _, text in lines)
     assert code != 0, output[-3000:]
     assert any(f"rank {rank}: stall {stall}" in text for _, text in lines), output[-3000:]  # the probe ran
@@ -172,3 +173,15 @@ def test_nd_at_8_processes_a_stopped_rank_is_named_alone_across_pipeline_tensor_
     assert re.search(rf"rank 7 in #\d+ \(reduce_scatter of \[\d+\], FSDP's gradients of the root module \(Decoder\) "
                      rf"at {schedule}\) of dp_shard group \[5, 7\], for rank 5;", line), line
     assert "different collectives" not in line and "did not arrive" not in line and "odd one out" not in line, line
+
+
+def test_nd_a_rank_that_skips_a_layer_is_named_by_the_group_whose_collective_it_broke(tmp_path):
+    # The 4-process mesh; rank 3 leaves layers.0 out of step 2, and with it that layer's tp collectives: its next
+    # one meets its partner's all-reduce with another shape, and gloo aborts it. The line names that collective in
+    # their tp group, and rank 3 as the one aborted for it.
+    line = diagnosed(tmp_path, "nd_parallel.py", "skip", 3, 2, nproc=4, args=("--dp", "2", "--tp", "2"),
+                     aborts=True, timeout=MESH_TIMEOUT)
+    # (Or rank 1's FSDP2 gather in their dp_shard group, where rank 1 asks first: rank 3's abort breaks both.)
+    assert re.match(r"diagnose: collective #\d+ \(.*?\) in (tp group \[2, 3\]|dp_shard group \[1, 3\]) failed \(.*?\): "
+                    r"rank 3 is gone: killed by SIGABRT \(pid \d+, on [^)]+\); gloo aborts a process whose peer's "
+                    r"collective does not match its own", line), line

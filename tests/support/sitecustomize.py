@@ -42,8 +42,9 @@ On request, through the environment:
   first; a pipeline stage: its first layer, for the step's first micro-batch), once the layer's input has arrived
   (an input still in flight, as DTensor's AsyncCollectiveTensor, is waited for first: else a stopped rank's stall
   races its last collective, which the other rank may then wait in). HOW=sleep (its Python waits in the forward),
-  stop (it SIGSTOPs itself), kill (it SIGKILLs itself), backward (it sleeps in the backward of that call: when the
-  gradient of the layer's output has come). It prints "rank R: stall HOW" first.
+  stop (it SIGSTOPs itself), kill (it SIGKILLs itself), skip (it leaves the layer out, and its collectives),
+  backward (it sleeps in the backward of that call: when the gradient of the layer's output has come). It prints
+  "rank R: stall HOW" first.
 - DDP_EXAMPLES_PROBE_KILL_IN_SAVE=R:FOLDER: rank R, when DCP writes a file into a folder named FOLDER (a
   checkpoint's staging folder, epoch_000004.tmp), writes half a file ("half a shard, written by <thread>") and
   SIGKILLs itself: a real death in the middle of a save, in whichever thread saves.
@@ -253,6 +254,8 @@ def patch_stall(module):
         say(f"rank {rank}: stall {how}")
         if how in ("stop", "kill"):
             os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+        if how == "skip":  # the layer left out, and with it its collectives: the rank goes on to the next layer's
+            return x
         if how == "backward":
             out = forward(self, x)
             out.register_hook(lambda grad: time.sleep(3600))  # the backward stall

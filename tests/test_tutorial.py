@@ -218,22 +218,30 @@ UNDER_PLAIN_PYTHON = ["multigpu_torchrun.py", "multinode.py", "fsdp.py"]
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory):
-    """The bad-input cases below that stop before any process starts or any group forms, each its script's command
-    line in a folder of its own, in a child forked from one process that imported torch once (forked_runs): {case:
-    (CompletedProcess, folder)}. multigpu_torchrun.py's nccl refusal as rank 0 of 2 alone, in the environment
-    torchrun gives it: the check comes before the process group, and every rank makes it alike."""
+    """The bad-input cases below, each its script's command line in a folder of its own, in a child forked from one
+    process that imported torch once (forked_runs): {case: (CompletedProcess, folder)}. multigpu_torchrun.py's nccl
+    refusal as rank 0 of 2 alone, in the environment torchrun gives it: the check comes before the process group, and
+    every rank makes it alike. Its snapshot of another model as rank 0 of 1, in a process group of its own (a port
+    each): every rank reads the same file and stops with the same line (the 2-rank stop inside the group:
+    test_step3_on_two_machines_stops_ranks_that_resume_at_different_epochs)."""
     root = tmp_path_factory.mktemp("refused")
     cases = {("nccl", "multigpu_torchrun.py"): ["multigpu_torchrun.py", ["--backend", "nccl", "--total_epochs", "1"],
                                                 2],
-             ("corrupt",): ["singlegpu.py", ["--total_epochs", "2"], None]}
+             ("corrupt",): ["singlegpu.py", ["--total_epochs", "2"], None],
+             ("other model",): ["multigpu_torchrun.py", ["--total_epochs", "4"], 1]}
     cases.update({("number", flag, value): ["multigpu.py", [flag, value], None] for flag, value, _ in NON_POSITIVE})
     cases.update({("plain", script): [script, [], None] for script in UNDER_PLAIN_PYTHON})
     folders = {}
     for i, key in enumerate(cases):
         folders[key] = root / str(i)
         folders[key].mkdir()
-        cases[key].append({"cwd": folders[key]})
+        cases[key].append({"cwd": folders[key], "env": {"MASTER_PORT": free_port()}})
     (folders[("corrupt",)] / "singlegpu.pt").write_bytes(b"not a snapshot at all")
+    other = MLP(input_size=5)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    torch.save({"model": other.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                "epochs_run": 3}, root / "other_model.pt")  # kept here as written, to compare
+    shutil.copy(root / "other_model.pt", folders[("other model",)] / "multigpu_torchrun.pt")
     results = forked(list(cases.values()), cwd=root)
     return {key: (result, folders[key]) for key, result in zip(cases, results)}
 
@@ -288,17 +296,12 @@ def test_truncated_and_foreign_snapshots_are_named_as_such(singlegpu_six_epochs,
     assert load_snapshot(foreign / "singlegpu.pt").keys() == {"weights"}
 
 
-def test_snapshot_of_another_model_is_reported_and_kept(tmp_path):
-    other = MLP(input_size=5)
-    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
-    torch.save({"model": other.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-                "epochs_run": 3}, tmp_path / "multigpu_torchrun.pt")
-    before = (tmp_path / "multigpu_torchrun.pt").read_bytes()
-    result = run(torchrun_cmd("multigpu_torchrun.py", "--total_epochs", "4"), cwd=tmp_path, check=False,
-                 timeout=60)
+def test_snapshot_of_another_model_is_reported_and_kept(refused):
+    """A snapshot of an MLP of 5 inputs (`refused`: multigpu_torchrun.py as rank 0 of 1, in its process group)."""
+    result, folder = refused[("other model",)]
     assert_one_line_error(result, "the snapshot multigpu_torchrun.pt is of another model or optimizer",
                           "size mismatch", code=1)
-    assert (tmp_path / "multigpu_torchrun.pt").read_bytes() == before
+    assert (folder / "multigpu_torchrun.pt").read_bytes() == (folder.parent / "other_model.pt").read_bytes()
 
 
 @pytest.mark.quick

@@ -165,6 +165,34 @@ def test_store_lost_and_missing_api():
                            "2.13.0)"), line
 
 
+def test_the_jobs_line_is_said_once_a_node_even_where_the_store_does_not_answer(tmp_path, monkeypatch):
+    """ask.finish, as each rank of a node runs it: the store's claim, or the node folder's where the store's calls
+    fail (a loaded host: a client's timeout), lets one rank say the line; a restart of torchrun says it again."""
+    from torchdiagnose import ask
+
+    class Store:
+        def __init__(self, answers):
+            self.answers = answers
+
+        def compare_set(self, key, expected, value):
+            if self.answers is None:
+                raise TimeoutError("the store did not answer in time")
+            return self.answers.setdefault(key, value).encode()
+
+    said = []
+    monkeypatch.setenv(names.FOLDER, str(tmp_path))
+    monkeypatch.setenv(names.KEEP_WAITING, "1")  # finish() then returns instead of ending the process
+    monkeypatch.setattr(ask, "declare", said.append)
+    monkeypatch.setattr(lines, "write_dump", lambda rank, folder: False)
+    monkeypatch.setattr(ask, "this_rank", lambda: 0)
+    for restart in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        for answers in (None, {}, None):  # a rank whose store call fails, one whose works, one that fails
+            monkeypatch.setattr(ask.STATE, "store", Store(answers))
+            ask.finish({"line": f"diagnose: the line of round {restart}", "folder": str(tmp_path)})
+    assert said == [f"diagnose: the line of round {n} (--keep-waiting: the job goes on waiting)" for n in "01"], said
+
+
 def test_the_flight_recorder_hint_gives_the_command_that_reads_an_incomplete_set():
     answered = {0: {"recorder": True}, 1: {"recorder": True}}
     assert lines._flight_recorder(answered, [], 2, "fr_traces/x") == "flight recorder: `torchfrtrace fr_traces/x`"

@@ -52,7 +52,8 @@ def ask(reason, waited, error=None):
         question = json.loads(current) if current else question
         store.set(names.view(me["rank"]), json.dumps(me))
     except Exception:  # noqa: BLE001  the store does not answer: its host (rank 0 or the launcher) is gone
-        declare(lines.store_lost(me, reason))
+        if node.claim(_line_claim()):  # every rank of the node finds it so: one says it
+            declare(lines.store_lost(me, reason))
         exit_now()
     if question["by"] != me["rank"]:  # another rank asked first: its line is the job's
         return question
@@ -108,9 +109,10 @@ def finish(question):
     if line:
         try:
             claimed = store.compare_set(names.printed(socket.gethostname()), "", str(os.getpid())).decode()
-        except Exception:  # noqa: BLE001  no store: say it here, whoever else does
+        except Exception:  # noqa: BLE001  no store (or too slow to answer): the node folder alone decides
             claimed = str(os.getpid())
-        if claimed == str(os.getpid()):
+        # The node's claim too: ranks whose store calls failed (a loaded host) would each say the line otherwise.
+        if claimed == str(os.getpid()) and node.claim(_line_claim()):
             declare(line + (" (--keep-waiting: the job goes on waiting)" if keep_waiting() else ""))
     lines.write_dump(this_rank(), question["folder"])
     if question.get("answered"):
@@ -124,6 +126,11 @@ def finish(question):
             pass
     if not keep_waiting():
         exit_now()
+
+
+def _line_claim():
+    """The node's claim of the job's line, one for each of torchrun's restarts (as the group's store is)."""
+    return f"line-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _wait_line():

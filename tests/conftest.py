@@ -524,11 +524,7 @@ def start_lighthouse():
     return process, f"http://127.0.0.1:{port}"
 
 
-# The scripts the clients' tests launch: (first launch's arguments, the second's). test_clients.py runs them under
-# accelerate and torch.distributed; test_submitit.py submits the same.
+# The scripts test_submitit.py submits: (first submission's arguments, the second's).
 CLIENT_SCRIPTS = {
     "multigpu_torchrun.py": (("2", "1"), ("4", "1")),
-    "multinode.py": (("2", "1"), ("4", "1")),
-    "by_feature/gradient_accumulation.py": (("--input_size", "20", "--epochs", "2"),
-                                            ("--input_size", "20", "--epochs", "4")),
 }

@@ -62,7 +62,10 @@ def ray_cluster():
                                  f"--port={port}", "--include-dashboard=false", "--num-cpus=2", "--min-worker-port=0",
                                  "--max-worker-port=0"],
                                 env={**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                                     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},  # else SIGTERM waits 30 s
+                                     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # else SIGTERM waits 30 s
+                                     # Else the raylet starts idle workers (one a CPU, more for the first driver)
+                                     # that no run uses: each run's actors need workers of its own runtime_env.
+                                     "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"},
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while "Ray runtime started" not in log.read_text():
@@ -99,18 +102,15 @@ def test_an_example_trains_on_both_ranks_and_resumes_under_ray_train(tmp_path, r
 
 
 @pytest.mark.slow
-def test_train_py_trains_on_both_ranks_and_resumes_under_ray_train(tmp_path, ray_cluster):
+def test_train_py_trains_on_both_ranks_under_ray_train(tmp_path, ray_cluster):
+    # One run: a resume under Ray (a new session folder, absolute paths) is multinode.py's above, and train.py's resume
+    # on two ranks is Hugging Face's own code once the ranks run (test_clients.py resumes it).
     out_dir = tmp_path / "out"
     common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples",
               "128", "--disable_tqdm", "True")
     out = ray_train("train.py", [*common, "--num_train_epochs", "1"], ray_cluster, tmp_path)
     assert summary(out).world_size == 2 and "weights identical on all 2 ranks" in out, out[-3000:]
-    steps = json.loads((out_dir / "trainer_state.json").read_text())["global_step"]
-    out = ray_train("train.py", [*common, "--num_train_epochs", "2", "--resume_from_checkpoint", "last"], ray_cluster,
-                    tmp_path)
-    assert f"resuming from {out_dir / f'checkpoint-{steps}'}" in out, out[-3000:]
-    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 2 * steps
-
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] > 0, out[-3000:]
 
 def last_line_error(result, *fragments):
     assert result.returncode != 0, result.stdout[-2000:]

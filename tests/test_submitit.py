@@ -89,7 +89,7 @@ def test_one_node_two_tasks_train_on_both_ranks_and_a_resubmission_resumes(clust
 
 def test_train_py_trains_on_both_ranks(cluster, tmp_path):
     # One submission: train.py makes its own group in each task, as under torchrun, and its resume on two ranks is
-    # Hugging Face's own code once the ranks run (test_clients.py and test_ray.py resume it); a resubmission under
+    # Hugging Face's own code once the ranks run (test_clients.py resumes it); a resubmission under
     # submitit is step 3's and step 4's above.
     out_dir = tmp_path / "out"
     common = ("--data_dir", MNIST, "--output_dir", out_dir, "--max_train_samples", "256", "--max_eval_samples", "128",

@@ -112,6 +112,7 @@ def test_train_py_trains_on_both_ranks_under_ray_train(tmp_path, ray_cluster):
     assert summary(out).world_size == 2 and "weights identical on all 2 ranks" in out, out[-3000:]
     assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] > 0, out[-3000:]
 
+
 def last_line_error(result, *fragments):
     assert result.returncode != 0, result.stdout[-2000:]
     last = result.stderr.strip().splitlines()[-1]

@@ -130,12 +130,11 @@ def stop_at_step(folder, nproc, probes, step):
 def test_a_run_stopped_at_one_world_size_resumes_at_another_with_every_sample_once(tmp_path, uninterrupted, killed):
     """One run with the same global batch of 32 throughout, stopped (SIGKILL) mid-epoch 1 (killed's, at 2 ranks, its
     snapshot at step 160 taken before torchrun restarted the group: it stands for a job that was not restarted) and
-    resumed at another
-    world size three times: 2 -> 1 -> 2 -> 3 ranks, each resumed run but the last stopped again 30 steps in (10
-    steps past its first snapshot). Each resume goes on from the snapshot saved at the world size before it; every
-    sample of epoch 1 is trained on once (each run's steps up to the next snapshot, the last run's to the end), and
-    the final weights are those of the uninterrupted 2-rank run but for the order of float additions (measured:
-    differences below 1e-6; allowed 1e-5)."""
+    resumed at another world size three times: 2 -> 1 -> 2 -> 3 ranks, each resumed run but the last stopped again
+    30 steps in (10 steps past its first snapshot). Each resume goes on from the snapshot saved at the world size
+    before it; every sample of epoch 1 is trained on once (each run's steps up to the next snapshot, the last run's
+    to the end), and the final weights are those of the uninterrupted 2-rank run but for the order of float
+    additions (measured: differences below 1e-6; allowed 1e-5)."""
     shutil.copy(killed.stopped / "step_checkpoints.pt", tmp_path)
     # (world size, probes, their restart round, its pass of epoch 1, the position it started at)
     runs = [(2, killed.probes, 1, 1, 0)]

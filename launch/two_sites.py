@@ -146,12 +146,13 @@ class Group:
         with self.arrived:
             self.arrived.notify_all()
 
-    def wait_for(self, pattern, timeout):
-        """The first line that matches `pattern`; None if the group ended or `timeout` passed first."""
+    def wait_for(self, pattern, timeout, since=0):
+        """The first line from line `since` on that matches `pattern`; None if the group ended or `timeout` passed
+        first."""
         deadline = time.monotonic() + timeout
         with self.arrived:
             while True:
-                for _, line in self.lines:
+                for _, line in self.lines[since:]:
                     if re.search(pattern, line):
                         return line
                 if (self.process.poll() is not None and not self.reader.is_alive()) or time.monotonic() > deadline:
@@ -212,7 +213,8 @@ def parse_args(argv=None):
     parser.add_argument("--mid_sync", action="store_true",
                         help="... and only once its next sync is under way (64 KB more sent; the link slowed to "
                              f"{HOLD_RATE} meanwhile, so that the kill lands in it): a lost sync")
-    parser.add_argument("--restart_after", type=float, help="start the killed site again after this many seconds")
+    parser.add_argument("--restart_after", type=float,
+                        help="start the killed site again this many seconds after the other's first sync alone")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the whole run may take (600)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags every site's script gets")
     args = parser.parse_args(argv)
@@ -249,12 +251,19 @@ def main(args):
                 sites.shape(HOLD_RATE)
                 while sites.sent()[args.kill_site] < mark + 65536 and victim.process.poll() is None:
                     time.sleep(0.01)
+            other = groups[1 - args.kill_site]
+            seen = len(other.lines)  # its lines from here on come after the kill
             victim.kill()
             if args.mid_sync:
                 sites.drain(args.kill_site, keep=[lighthouse.pid])
                 sites.shape(args.rate)
             print(f"Killed site {args.kill_site} (SIGKILL) after its sync {args.kill_after_sync}", flush=True)
             if args.restart_after is not None:
+                # Counted from the other site's first sync without it. The lighthouse forms a quorum of more than
+                # half of the groups it hears heartbeats from. A group started again at once heartbeats before its
+                # first sync: the other's next sync could wait for it and be the two's (a race with how soon the
+                # other noticed the death).
+                other.wait_for(r"^Sync \d+ \| step \d+ \| groups 1 ", args.timeout, since=seen)
                 time.sleep(args.restart_after)
                 groups[args.kill_site] = sites.group(args.kill_site, args.script, args.flags, cwd)
         codes = [group.finish(max(1, args.timeout - (time.monotonic() - began))) for group in groups]

@@ -2,8 +2,9 @@
 API models of its kind, pinned in requirements-dev.txt (kubeflow-training: the training operator's
 PyTorchJob, with the kubernetes client's pod template; kubeflow-trainer-api: Kubeflow Trainer v2's TrainJob),
 and a broken copy does not; every pod template has the snapshot volume and a sized /dev/shm; and each
-job's command, with the variables its controller sets, trains on two local "pods" (torchrun processes on
-127.0.0.1) that share a snapshot directory, and resumes from it after a pod dies. What each controller sets
+job's command, with the variables its controller sets, runs two local "pods" (torchrun processes on 127.0.0.1)
+that share a snapshot directory: the PyTorchJob's train until a pod dies, the TrainJob's resume from the
+snapshot and finish (one chain: the two commands are the same but for the snapshot). What each controller sets
 is read from its source (training-operator v1.9: pkg/controller.v1/pytorch/envvar.go and master.go;
 trainer v2.3.0: pkg/runtime/framework/plugins/torch/torch.go and manifests/base/runtimes/torch_distributed.yaml).
 """
@@ -376,38 +377,30 @@ UNRESOLVED = r"network addresses of \({name}, \d+\) cannot be retrieved"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [PYTORCHJOB, TRAINJOB], ids=lambda p: p.name)
-def test_pods_train_and_a_restart_resumes_from_the_snapshot_volume(path, tmp_path):
-    """Both pods start; for the TrainJob, before node 0's name resolves (the Trainer adds no init container
-    that waits for it): it starts to resolve only after a pod has tried and failed, and both pods must wait
-    and join. After the first snapshot the worker pod dies; the master pod's ranks stop on their own, and
-    both containers start again with the same command (restartPolicy OnFailure, or new pods on the same
-    volume): they resume at the snapshot's epoch and finish."""
-    doc = load(path)
-    snapshot = tmp_path / "snapshots" / "multinode.pt"  # the ReadWriteMany volume both pods mount
-    hosts = None
-    if doc["kind"] == "TrainJob":
-        if WHY_NO_MOUNT_NAMESPACE:
-            pytest.skip(f"a name that resolves late needs a mount namespace: {WHY_NO_MOUNT_NAMESPACE}")
-        hosts = tmp_path / "hosts"
-        hosts.write_text("127.0.0.1 localhost\n")
-        (tmp_path / "nsswitch.conf").write_text("hosts: files\n")
-    pods = (pytorchjob_pods if doc["kind"] == "PyTorchJob" else trainjob_pods)(doc, str(free_port()))
-    assert len(pods) == 2
-    runs = [(name, with_flags(expand(command, variables), total_epochs=EPOCHS, save_every=SAVE_EVERY,
-                              snapshot_path=snapshot), variables) for name, command, variables in pods]
+def test_pytorchjob_pods_train_and_trainjob_pods_resume_from_the_snapshot_volume(tmp_path):
+    """One chain for both manifests, whose commands are the same but for the snapshot's name
+    (test_the_two_jobs_run_the_same_training): what differs is the variables each controller sets, and each
+    set runs two pods here. The PyTorchJob's pods train; after the first snapshot the worker pod dies and the
+    master pod's ranks stop on their own. The TrainJob's pods then start on the same volume (new pods, as a
+    restart makes them) and resume at the snapshot's epoch: before node 0's name resolves (the Trainer adds
+    no init container that waits for it), it starts to resolve only after a pod has tried and failed, and
+    both pods must wait, join and finish."""
+    pytorchjob, trainjob = load(PYTORCHJOB), load(TRAINJOB)
+    snapshot = tmp_path / "snapshots" / "multinode.pt"  # the ReadWriteMany volume every pod mounts
+    port = str(free_port())
+    shorter = {"total_epochs": EPOCHS, "save_every": SAVE_EVERY, "snapshot_path": snapshot}
+    first, second = [[(name, with_flags(expand(command, variables), **shorter), variables)
+                      for name, command, variables in pods(doc, port)]
+                     for pods, doc in ((pytorchjob_pods, pytorchjob), (trainjob_pods, trainjob))]
+    assert len(first) == len(second) == 2
 
-    nproc = int(runs[0][2]["PET_NPROC_PER_NODE"])
+    nproc = int(first[0][2]["PET_NPROC_PER_NODE"])
     # Only the first pair of pods carries the probe: the worker pod's first rank stops itself after STOP_STEP.
-    # The restarted pods run as the manifests do.
+    # The TrainJob's pods run as the manifest has them.
     probe = {"DDP_EXAMPLES_PROBE_SAMPLES": tmp_path / "probe",
-             "DDP_EXAMPLES_PROBE_STOP_AT": f"{int(runs[1][2]['PET_NODE_RANK']) * nproc}:0:{STOP_STEP}"}
+             "DDP_EXAMPLES_PROBE_STOP_AT": f"{int(first[1][2]['PET_NODE_RANK']) * nproc}:0:{STOP_STEP}"}
     (tmp_path / "probe").mkdir()
-    master, worker = [Pod(name, command, {**variables, **probe}, hosts) for name, command, variables in runs]
-    if hosts is not None:
-        worker.wait_for(UNRESOLVED.format(name=re.escape(trainjob_master(doc))), timeout=60)
-        with hosts.open("a") as f:  # appended in place: the pods' bind mounts hold this inode
-            f.write(f"127.0.0.1 {trainjob_master(doc)}\n")
+    master, worker = [Pod(name, command, {**variables, **probe}) for name, command, variables in first]
     worker.wait_until_stopped(timeout=180)
     worker.kill()
     output = master.finish(timeout=60)
@@ -419,12 +412,21 @@ def test_pods_train_and_a_restart_resumes_from_the_snapshot_volume(path, tmp_pat
     saved = load_snapshot(snapshot)["epochs_run"]
     assert saved == SAVED_AT_DEATH, "the pods were meant to die in the epoch after the first snapshot"
 
-    restarted = [Pod(name, command, variables, hosts) for name, command, variables in runs]
+    if WHY_NO_MOUNT_NAMESPACE:
+        pytest.skip(f"the PyTorchJob's pods passed; the TrainJob's, whose node 0 name resolves late, need a "
+                    f"mount namespace: {WHY_NO_MOUNT_NAMESPACE}")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n")
+    (tmp_path / "nsswitch.conf").write_text("hosts: files\n")
+    restarted = [Pod(name, command, variables, hosts) for name, command, variables in second]
+    restarted[1].wait_for(UNRESOLVED.format(name=re.escape(trainjob_master(trainjob))), timeout=60)
+    with hosts.open("a") as f:  # appended in place: the pods' bind mounts hold this inode
+        f.write(f"127.0.0.1 {trainjob_master(trainjob)}\n")
     outputs = [pod.finish(timeout=180) for pod in restarted]
     for pod, output in zip(restarted, outputs):
         assert pod.process.returncode == 0, f"pod {pod.name}:\n{output[-3000:]}"
     assert f"Resuming from {snapshot} at epoch {saved}" in outputs[0], outputs[0][-3000:]
     assert [line.epoch for line in epoch_lines(outputs[0])] == list(range(saved, EPOCHS))
     result = summary(outputs[0])
-    assert (result.world_size, result.backend) == (2 * nproc, "gloo")
+    assert (result.world_size, result.backend) == (2 * int(second[0][2]["PET_NPROC_PER_NODE"]), "gloo")
     assert load_snapshot(snapshot)["epochs_run"] == EPOCHS

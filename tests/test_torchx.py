@@ -30,8 +30,12 @@ pytestmark = pytest.mark.slow  # about a minute: two submissions, each starting 
 TORCHX = "torchx==0.7.0"
 # dist.ddp's command is the bare word `torchrun`, found on PATH: this python's (the venv has no torchrun).
 ENV = clean_env(OMP_NUM_THREADS=1, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-VENV_INFO = ("import json, sysconfig, torch, torchx; print(json.dumps(dict(torch=torch.__file__, "
-             "torch_version=torch.__version__, torchx=torchx.__version__, site=sysconfig.get_path('purelib'))))")
+# Which torch the venv's `import torch` would load, and that file's version (what torch/__init__.py imports as
+# __version__), found without importing torch there: that import alone costs 2.5 CPU-s.
+VENV_INFO = ("import importlib.util, json, pathlib, runpy, sysconfig, torchx; "
+             "torch = pathlib.Path(importlib.util.find_spec('torch').origin); "
+             "print(json.dumps(dict(torch=str(torch), torch_version=runpy.run_path(torch.parent / 'version.py')"
+             "['__version__'], torchx=torchx.__version__, site=sysconfig.get_path('purelib'))))")
 
 
 @pytest.fixture(scope="session")

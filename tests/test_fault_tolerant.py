@@ -283,11 +283,17 @@ def test_the_benchmark_quick_mode_writes_consistent_figures(tmp_path):
     """benchmarks/fault_tolerance.py --quick: both ways once, the kill after step 110, a snapshot every 20 steps.
     The restart job's rank 1 stops itself (the probe) right after its step 111: the benchmark's SIGKILL, sent when
     the line of step 110 comes, lands before the step-120 snapshot however late it comes (a race of 10 short steps
-    otherwise). The torchft groups are rank 0 each: the stop is not theirs."""
-    probes = tmp_path / "probe"
+    otherwise). The torchft groups are rank 0 each: the stop is not theirs.
+    The torchft victim's worker, started again by its torchrun, is held after its imports (the probe), before its
+    Manager heartbeats: the healthy group finishes first, as --quick means. Else it could come back while that group
+    trains: the lighthouse then holds that group's quorum from the victim's first heartbeat to its first quorum
+    (seen, 400 steps, that start slowed 1.8 s by SIGSTOP: a stall of 1.9 s, stopped_s 3.6 > regained_s 2.0 + 1)."""
+    probes, gate = tmp_path / "probe", tmp_path / "hold"
     probes.mkdir()
+    gate.mkdir()
     result = run(python_cmd("benchmarks/fault_tolerance.py", "--quick", "--out", tmp_path), cwd=REPO, timeout=300,
-                 env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=probes, DDP_EXAMPLES_PROBE_STOP_AT="1:0:111"))
+                 env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=probes, DDP_EXAMPLES_PROBE_STOP_AT="1:0:111",
+                               DDP_EXAMPLES_HOLD=f"torchft:{gate}", DDP_EXAMPLES_HOLD_RESTARTED=1))
     killed = [sum('"step"' in line for line in path.read_text().splitlines())
               for path in probes.glob("rank1-restart0-*.jsonl")]
     assert len(killed) == 1 and killed[0] in (110, 111), f"the restart job's rank 1 was killed after step {killed}"
@@ -297,6 +303,7 @@ def test_the_benchmark_quick_mode_writes_consistent_figures(tmp_path):
     torchft, restart = data["results"]["torchft"], data["results"]["restart"]
     assert restart["redone_steps"] == 10, "from the snapshot of step 100 to the kill after step 110"
     assert torchft["redone_steps"] <= 2, "at most the step under way when the peer died, tried again"
+    assert torchft["victim_back_s"] is None and torchft["runs"][0]["victim_healed"] is None
     for row in (torchft, restart):
         assert 0 < row["stopped_s"] <= row["regained_s"] + 1 and row["step_ms"] > 0
         timeline = row["runs"][0]["timeline"]

@@ -36,8 +36,6 @@ On request, through the environment:
   others, its imports (seconds on a busy machine) running beside their training, and have it join at the point the
   test chooses (DIR/go), or have groups started together join together (N). Started late instead, a group joins
   after its whole start-up: a race with the others' remaining steps (seen: 16 s of 26).
-  With DDP_EXAMPLES_HOLD_RESTARTED=1, only a worker that torchrun started again (TORCHELASTIC_RESTART_COUNT 1 or
-  more) waits: a torchft group's restarted worker stays out of the quorum, before its Manager heartbeats.
 - DDP_EXAMPLES_PROBE_STALL=HOW:R:N: rank R stalls in language_model's DecoderLayer.forward, the first call after
   its N-th optimizer step (tests/test_diagnose_parallel.py, a hang for torchdiagnose to name): the first layer the
   rank runs of that step (tensor parallelism: layers.0, whose attention all-gathers its input from the other rank
@@ -313,9 +311,7 @@ if os.environ.get("DDP_EXAMPLES_PROBE_KILL_IN_SAVE"):
     PATCHES["torch.distributed.checkpoint.filesystem"] = patch_kill_in_save
 if os.environ.get("DDP_EXAMPLES_PROBE_STALL"):
     PATCHES["language_model"] = patch_stall
-_restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-if (os.environ.get("DDP_EXAMPLES_HOLD") and "LOCAL_RANK" in os.environ
-        and (_restarted or not os.environ.get("DDP_EXAMPLES_HOLD_RESTARTED"))):
+if os.environ.get("DDP_EXAMPLES_HOLD") and "LOCAL_RANK" in os.environ:
     PATCHES[os.environ["DDP_EXAMPLES_HOLD"].split(":")[0]] = hold
 
 

@@ -280,29 +280,38 @@ def test_started_without_torchrun_says_how(said):
 
 @pytest.mark.slow  # 50-60 s
 def test_the_benchmark_quick_mode_writes_consistent_figures(tmp_path):
-    """benchmarks/fault_tolerance.py --quick: both ways once, the kill after step 110, a snapshot every 20 steps.
-    The restart job's rank 1 stops itself (the probe) right after its step 111: the benchmark's SIGKILL, sent when
-    the line of step 110 comes, lands before the step-120 snapshot however late it comes (a race of 10 short steps
-    otherwise). The torchft groups are rank 0 each: the stop is not theirs."""
-    probes = tmp_path / "probe"
+    """benchmarks/fault_tolerance.py --quick: both ways once, 100 steps, the kill after step 50, a snapshot every 20.
+    The restart job's rank 1 stops itself (the probe) right after its step 51: the benchmark's SIGKILL, sent when
+    the line of step 50 comes, lands before the step-60 snapshot however late it comes (a race of 10 short steps
+    otherwise). The torchft groups are rank 0 each: the stop is not theirs. Their workers wait after their imports
+    until both have come that far (the probe's hold): they step together from the start, however far apart their
+    imports end (else group 1 joins late, and must step with group 0 past step 50 before group 0's 100 end).
+    --quick starts no torchft worker again. A victim started again could come back while the healthy group trains:
+    the lighthouse then holds that group's quorum from the victim's first heartbeat to its first quorum (seen, 400
+    steps, that start slowed 1.8 s by SIGSTOP: a stall of 1.9 s, stopped_s 3.6 > regained_s 2.0 + 1)."""
+    probes, gate = tmp_path / "probe", tmp_path / "hold"
     probes.mkdir()
+    gate.mkdir()
     result = run(python_cmd("benchmarks/fault_tolerance.py", "--quick", "--out", tmp_path), cwd=REPO, timeout=300,
-                 env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=probes, DDP_EXAMPLES_PROBE_STOP_AT="1:0:111"))
+                 env=clean_env(DDP_EXAMPLES_PROBE_SAMPLES=probes, DDP_EXAMPLES_PROBE_STOP_AT="1:0:51",
+                               DDP_EXAMPLES_HOLD=f"torchft:{gate}:2"))
     killed = [sum('"step"' in line for line in path.read_text().splitlines())
               for path in probes.glob("rank1-restart0-*.jsonl")]
-    assert len(killed) == 1 and killed[0] in (110, 111), f"the restart job's rank 1 was killed after step {killed}"
+    assert len(killed) == 1 and killed[0] in (50, 51), f"the restart job's rank 1 was killed after step {killed}"
     data = json.loads((tmp_path / "fault_tolerance.json").read_text())
-    assert data["benchmark"] == "fault_tolerance" and data["kill_at"] == 110 and data["save_every_steps"] == 20
+    assert data["benchmark"] == "fault_tolerance" and data["steps"] == 100 and data["kill_at"] == 50
+    assert data["save_every_steps"] == 20
     assert data["machine"]["cpu_cores"] >= 1 and data["torch"] == data["machine"]["torch"]
     torchft, restart = data["results"]["torchft"], data["results"]["restart"]
-    assert restart["redone_steps"] == 10, "from the snapshot of step 100 to the kill after step 110"
+    assert restart["redone_steps"] == 10, "from the snapshot of step 40 to the kill after step 50"
     assert torchft["redone_steps"] <= 2, "at most the step under way when the peer died, tried again"
+    assert torchft["victim_back_s"] is None and torchft["runs"][0]["victim_healed"] is None
     for row in (torchft, restart):
         assert 0 < row["stopped_s"] <= row["regained_s"] + 1 and row["step_ms"] > 0
         timeline = row["runs"][0]["timeline"]
-        assert [s for t, s in timeline if t > 0][-1] == 200, "the healthy worker finished every step"
+        assert [s for t, s in timeline if t > 0][-1] == 100, "the healthy worker finished every step"
     # The restart counts again from the snapshot; torchft never goes back.
-    assert min(s for t, s in restart["runs"][0]["timeline"] if t > 0) == 101
-    assert min(s for t, s in torchft["runs"][0]["timeline"] if t > 0) >= 110
+    assert min(s for t, s in restart["runs"][0]["timeline"] if t > 0) == 41
+    assert min(s for t, s in torchft["runs"][0]["timeline"] if t > 0) >= 50
     assert (tmp_path / "fault_tolerance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "healthy worker stopped" in result.stdout

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_bitwise_equal, assert_one_line_error, clean_env, epoch_lines, forked, \
-    load_snapshot, python_cmd, rank_0_env, run, torchrun_cmd
+    free_port, load_snapshot, python_cmd, rank_0_env, run, torchrun_cmd
 
 # Two hidden layers of 512: the last two layers hold more than DDP's first bucket (1 MiB), so DDPOptimizer splits.
 MODEL = ("--hidden_size", "512", "--input_size", "20")
@@ -164,20 +164,27 @@ def test_a_missing_cxx_compiler_is_one_line_before_any_work(tmp_path, env):
 
 def test_fsdp_trains_an_epoch_compiled_and_an_uncompiled_run_resumes_it(env, tmp_path):
     """fsdp.py --compile compiles each block in place before fully_shard: its checkpoint holds the plain model's
-    keys, an uncompiled run resumes it, and both epochs match an uncompiled run's within inductor's rounding."""
+    keys, an uncompiled run resumes it, and both epochs match an uncompiled run's within inductor's rounding.
+    The uncompiled runs are one process each, with the compiled run's global batch (fsdp.py's epochs do not depend
+    on the world size): the resume reshards the 2 ranks' checkpoint, and both are forked from one process that
+    imported torch once (conftest.forked), a port each for its process group of one."""
     cache = Path(env["TORCHINDUCTOR_CACHE_DIR"])
     cached = sum(1 for _ in cache.rglob("*"))
     (tmp_path / "compiled").mkdir()
     (tmp_path / "eager").mkdir()
-    fsdp = ("fsdp.py", "--batch_size", "256")
-    compiled = run(torchrun_cmd(*fsdp, "--epochs", "1", "--compile"), cwd=tmp_path / "compiled", env=env,
-                   timeout=600).stdout
+    compiled = run(torchrun_cmd("fsdp.py", "--batch_size", "256", "--epochs", "1", "--compile"),
+                   cwd=tmp_path / "compiled", env=env, timeout=600).stdout
     assert sum(1 for _ in cache.rglob("*")) > cached  # inductor compiled the blocks (no other launch builds them)
-    resumed = run(torchrun_cmd(*fsdp, "--epochs", "2"), cwd=tmp_path / "compiled", env=env, timeout=300).stdout
-    assert re.search(r"^Resuming from \S+ at epoch 1$", resumed, re.M), resumed[-2000:]
-    eager = run(torchrun_cmd(*fsdp, "--epochs", "2"), cwd=tmp_path / "eager", env=env, timeout=300).stdout
-    losses = [line.loss for line in epoch_lines(compiled) + epoch_lines(resumed)]
-    assert losses == pytest.approx([line.loss for line in epoch_lines(eager)], rel=1e-4), (losses, eager[-2000:])
+    uncompiled = ["fsdp.py", ["--global_batch_size", "512", "--epochs", "2"], 1]
+    resumed, eager = forked([[*uncompiled, {"cwd": tmp_path / folder, "env": {"MASTER_PORT": free_port()}}]
+                             for folder in ("compiled", "eager")], cwd=tmp_path, env=env, modules=["fsdp"])
+    for result in (resumed, eager):
+        assert result.returncode == 0 and "Training on 1 process |" in result.stdout, result.stderr[-2000:]
+    assert re.search(r"^Resuming from \S+ at epoch 1$", resumed.stdout, re.M), resumed.stdout[-2000:]
+    assert "Resuming" not in eager.stdout
+    losses = [line.loss for line in epoch_lines(compiled) + epoch_lines(resumed.stdout)]
+    assert losses == pytest.approx([line.loss for line in epoch_lines(eager.stdout)], rel=1e-4), \
+        (losses, eager.stdout[-2000:])
 
 
 def test_the_benchmark_times_eager_and_compiled_steps_and_the_compile_apart(env, tmp_path):

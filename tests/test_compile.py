@@ -116,15 +116,25 @@ def test_snapshots_resume_across_compiled_and_eager(runs):
                                    rtol=0, atol=1e-4)
 
 
-def test_a_snapshot_of_torch_compile_model_with_its_prefix_resumes_exactly(runs, env):
+def test_a_snapshot_of_torch_compile_model_with_its_prefix_resumes_exactly(runs, tmp_path):
     """torch.compile(model).state_dict() names every key _orig_mod.*: such a snapshot resumes as the plain one
-    does, bit for bit."""
+    does, bit for bit. Both resumed eagerly by one process each (rank 0 of 1, a port each for its process group
+    of one), forked from one process that imported torch once (conftest.forked)."""
     folder, _ = runs
     state = load_snapshot(folder / "compiled.pt")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "prefixed").mkdir()
+    shutil.copy(folder / "compiled.pt", tmp_path / "plain" / "compiled.pt")
     state["model"] = {f"_orig_mod.{key}": value for key, value in state["model"].items()}
-    torch.save(state, folder / "prefixed.pt")
-    compiled_py(folder, env, "prefixed.pt", "--epochs", "2")
-    assert_bitwise_equal(load_snapshot(folder / "prefixed.pt"), load_snapshot(folder / "compiled_then_eager.pt"))
+    torch.save(state, tmp_path / "prefixed" / "compiled.pt")
+    said = forked([["by_feature/compiled.py", [*MODEL, "--snapshot_path", "compiled.pt", "--epochs", "2"], 1,
+                    {"cwd": tmp_path / name, "env": {"MASTER_PORT": free_port()}}] for name in ("plain", "prefixed")],
+                  cwd=tmp_path)
+    for result in said:
+        assert result.returncode == 0 and "Resuming from compiled.pt at epoch 1" in result.stdout, result.stderr[-2000:]
+        assert "1 ranks |" in result.stdout, result.stdout[-2000:]
+    assert_bitwise_equal(load_snapshot(tmp_path / "prefixed" / "compiled.pt"),
+                         load_snapshot(tmp_path / "plain" / "compiled.pt"))
 
 
 BAD_FLAGS = [
